@@ -1,0 +1,58 @@
+"""asyncsync: asyncio-native weight synchronisation from a trainer to worker processes.
+
+Example::
+
+    from asyncsync import MultiProcessWeightSyncScheme
+
+    scheme = MultiProcessWeightSyncScheme(strategy="tensordict")
+    scheme.init_on_sender(model=policy, num_workers=2)
+    ...  # start the workers with `scheme`
+    async with scheme:
+        await scheme.send()
+"""
+
+from ._errors import (
+    AsyncSyncError,
+    BrokenChannelError,
+    ClosedError,
+    SenderDiedError,
+    SyncTimeoutError,
+    WeightsError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerProcessError,
+    WouldBlock,
+)
+from ._layout import Layout, TensorSpec
+from ._queues import AsyncQueue
+from ._receiver import Receiver
+from ._scheme import MultiProcessWeightSyncScheme
+from ._sender import Sender
+from ._stats import ReceiverStatistics, SenderStatistics, WorkerStatistics
+from ._workers import WorkerGroup, spawn_workers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncQueue",
+    "AsyncSyncError",
+    "BrokenChannelError",
+    "ClosedError",
+    "Layout",
+    "MultiProcessWeightSyncScheme",
+    "Receiver",
+    "ReceiverStatistics",
+    "Sender",
+    "SenderDiedError",
+    "SenderStatistics",
+    "SyncTimeoutError",
+    "TensorSpec",
+    "WeightsError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerProcessError",
+    "WorkerStatistics",
+    "WouldBlock",
+    "spawn_workers",
+]

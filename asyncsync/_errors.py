@@ -1,0 +1,118 @@
+"""The exception hierarchy of asyncsync.
+
+::
+
+    AsyncSyncError
+    ├── ClosedError            you closed it (call after ``aclose()``)
+    ├── WouldBlock             a ``*_nowait`` call found nothing to do
+    ├── BrokenChannelError     the peer's end of a channel vanished
+    │   ├── WorkerDiedError    a worker process died (sender side)
+    │   └── SenderDiedError    the trainer died (worker side)
+    ├── WeightsError           bad weights given to ``send`` (also ``ValueError``)
+    ├── WorkerError            a worker rejected a payload; it kept its old weights
+    ├── WorkerProcessError     a worker function started by ``spawn_workers`` raised
+    └── SyncTimeoutError       a wait ran out of time (also ``TimeoutError``)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "AsyncSyncError",
+    "BrokenChannelError",
+    "ClosedError",
+    "SenderDiedError",
+    "SyncTimeoutError",
+    "WeightsError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerProcessError",
+    "WouldBlock",
+]
+
+
+class AsyncSyncError(Exception):
+    """Base class of every error raised by asyncsync."""
+
+
+class ClosedError(AsyncSyncError):
+    """The object was closed by its owner (``aclose()`` or ``stop``) and cannot be used."""
+
+
+class WouldBlock(AsyncSyncError):
+    """A ``*_nowait`` call would have had to wait."""
+
+
+class BrokenChannelError(AsyncSyncError):
+    """The other end of a channel went away (process died or closed its end)."""
+
+
+class WorkerDiedError(BrokenChannelError):
+    """A worker process died or dropped its channel.
+
+    ``worker_idx`` names the worker, ``exitcode`` is its exit status when known
+    (negative: killed by that signal), ``pid`` its process id when known.
+    """
+
+    def __init__(self, worker_idx: int, exitcode: int | None = None, pid: int | None = None) -> None:
+        self.worker_idx = worker_idx
+        self.exitcode = exitcode
+        self.pid = pid
+        code = "unknown" if exitcode is None else str(exitcode)
+        who = f"worker {worker_idx}" + (f" (pid {pid})" if pid else "")
+        super().__init__(f"{who} died, exit code {code}")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.worker_idx, self.exitcode, self.pid))
+
+
+class SenderDiedError(BrokenChannelError):
+    """The sender (trainer) went away; the worker keeps its last complete weights."""
+
+
+class WeightsError(AsyncSyncError, ValueError):
+    """Weights given to the sender do not fit: keys, shapes, dtypes, devices or values."""
+
+
+class WorkerError(AsyncSyncError):
+    """A worker rejected an update and kept its previous weights.
+
+    ``worker_idx`` and ``version`` say which worker refused which version;
+    ``message`` is the worker's own explanation.
+    """
+
+    def __init__(self, worker_idx: int, version: int, message: str) -> None:
+        self.worker_idx = worker_idx
+        self.version = version
+        self.message = message
+        super().__init__(f"worker {worker_idx} rejected version {version}: {message}")
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.worker_idx, self.version, self.message))
+
+
+class WorkerProcessError(AsyncSyncError):
+    """A worker function started by :func:`spawn_workers` raised or the process crashed.
+
+    The original exception, when it could be pickled, is the ``__cause__``;
+    ``remote_traceback`` holds the child's formatted traceback.
+    """
+
+    def __init__(self, worker_idx: int, message: str, remote_traceback: str = "") -> None:
+        self.worker_idx = worker_idx
+        self.remote_traceback = remote_traceback
+        super().__init__(f"worker {worker_idx}: {message}")
+
+
+class SyncTimeoutError(AsyncSyncError, TimeoutError):
+    """A wait for acknowledgements ran out of time.
+
+    ``pending`` maps each worker that did not answer to the last version it applied.
+    """
+
+    def __init__(self, what: str, pending: Mapping[int, int], timeout: float | None) -> None:
+        self.pending = dict(pending)
+        self.timeout = timeout
+        detail = ", ".join(f"worker {w} (at version {v})" for w, v in sorted(self.pending.items()))
+        super().__init__(f"{what} timed out after {timeout}s; no answer from {detail or 'nobody'}")

@@ -1,0 +1,469 @@
+"""``MultiProcessWeightSyncScheme``: the user-facing object, in torchrl's vocabulary.
+
+The same object is configured in the trainer (``init_on_sender``), pickled to each worker
+process (it carries only the workers' channel ends), and configured there
+(``init_on_receiver``). ``connect()``, ``send()``, ``aclose()`` and ``async with`` then act
+for whichever side this process is.
+
+Example::
+
+    scheme = MultiProcessWeightSyncScheme(strategy="tensordict")
+    scheme.init_on_sender(model=policy, num_workers=2)
+    # start workers with `scheme` as an argument, then:
+    async with scheme:                      # connect(): initial weights to everyone
+        for step in range(100):
+            train_step(policy)
+            await scheme.send()             # returns once every worker applied it
+
+    # in each worker process:
+    scheme.init_on_receiver(worker_idx=i, model=local_policy)
+    async with scheme:
+        await scheme.wait_stopped()         # or serve requests; updates land in between
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ._errors import ClosedError
+from ._layout import Layout
+from ._receiver import Commit, CommitMode, OnUpdate, Receiver
+from ._sender import OnWorkerError, Sender
+from ._slots import SlotPool
+from ._stats import ReceiverStatistics, SenderStatistics
+from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
+
+__all__ = ["MultiProcessWeightSyncScheme"]
+
+Transport = Literal["shm", "queue"]
+_DEFAULT: Any = ...
+
+
+class MultiProcessWeightSyncScheme:
+    """Asyncio weight synchronisation from one trainer to many worker processes.
+
+    Args:
+        strategy: ``"tensordict"`` (weights as TensorDict) or ``"state_dict"`` (plain dict).
+        sync: if True, :meth:`send` waits until every targeted worker applied the weights.
+        timeout: default bound, in seconds, of every wait (``None``: no bound).
+        transport: ``"shm"`` (default: shared-memory slots allocated once and reused, one
+            copy per send whatever the number of workers) or ``"queue"`` (a fresh
+            shared-memory segment travels with every message, as with torch pickling).
+        num_slots: slots allocated at connect (``"shm"``); more slots let more
+            ``send_async`` calls overlap. Memory: ``num_slots`` x model size.
+        max_slots: upper bound when workers sit on different versions (``worker_ids``
+            subsets); default ``num_workers + num_slots``.
+        commit: on the worker, ``"swap"`` points the parameters at the new weights (no
+            second copy; on CPU they view the shared slot) or ``"copy"`` copies in place so
+            parameter addresses stay stable (CUDA graphs, compiled modules).
+        commit_mode: ``"auto"`` commits as soon as staged; ``"manual"`` waits for the
+            worker to call :meth:`commit` at a safe point.
+        on_worker_error: ``"raise"`` (a dead worker fails sends that target it) or
+            ``"skip"`` (sends go on to the living workers).
+        check_finite: reject weights holding NaN or inf before sending.
+        transfer_dtype: send floating-point tensors in this dtype (e.g. ``torch.bfloat16``
+            halves the bytes); workers cast back to their model's dtype while staging.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy = "tensordict",
+        sync: bool = True,
+        timeout: float | None = 60.0,
+        *,
+        transport: Transport = "shm",
+        num_slots: int = 2,
+        max_slots: int | None = None,
+        commit: Commit = "swap",
+        commit_mode: CommitMode = "auto",
+        on_worker_error: OnWorkerError = "raise",
+        check_finite: bool = False,
+        transfer_dtype: torch.dtype | None = None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        _choice("transport", transport, ("shm", "queue"))
+        _choice("commit", commit, ("swap", "copy"))
+        _choice("commit_mode", commit_mode, ("auto", "manual"))
+        _choice("on_worker_error", on_worker_error, ("raise", "skip"))
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive or None, got {timeout}")
+        if transfer_dtype is not None and not (isinstance(transfer_dtype, torch.dtype) and transfer_dtype.is_floating_point):
+            raise ValueError(f"transfer_dtype must be a floating-point torch.dtype, got {transfer_dtype!r}")
+        self.strategy: Strategy = strategy
+        self.sync = sync
+        self.timeout = timeout
+        self.transport: Transport = transport
+        self.num_slots = num_slots
+        self.max_slots = max_slots
+        self.commit_kind: Commit = commit
+        self.commit_mode: CommitMode = commit_mode
+        self.on_worker_error: OnWorkerError = on_worker_error
+        self.check_finite = check_finite
+        self.transfer_dtype = transfer_dtype
+        self.model_id: str | None = None
+        self._endpoints: dict[int, Connection] = {}
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_sender", "_receiver")}
+        ends = self._sender.child_endpoints() if self._sender is not None else dict(self._endpoints)
+        state["_endpoints"] = {i: _Endpoint(c) for i, c in ends.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["_endpoints"] = {i: e.conn if isinstance(e, _Endpoint) else e for i, e in state["_endpoints"].items()}
+        self.__dict__.update(state)
+        self._sender = None
+        self._receiver = None
+
+    # ------------------------------------------------------------------ sender side
+
+    def init_on_sender(
+        self,
+        model_id: str | None = None,
+        context: Any = None,
+        *,
+        weights: Any = None,
+        model: nn.Module | None = None,
+        params_map: Mapping[int, Any] | None = None,
+        devices: Sequence[torch.device | str] | Mapping[int, torch.device | str] | None = None,
+        device_map_fn: Callable[[int, Any], Any] | None = None,
+        num_workers: int | None = None,
+        worker_ids: Iterable[int] | None = None,
+        ctx: mp.context.BaseContext | None = None,
+    ) -> None:
+        """Configure the trainer side.
+
+        Where the weights come from (one of): *model* (read at every send), *weights*
+        (a TensorDict/state dict read at every send), *params_map* (``{worker_id:
+        weights}``, its keys are the worker ids and its tensors' device each worker's
+        device), or *context* + *model_id* (the model is ``context.<model_id>``).
+
+        Which workers: *num_workers* (ids ``0..n-1``), *worker_ids*, *devices* (one per
+        worker: where that worker stages its weights) or *params_map*.
+        *device_map_fn(worker_idx, weights)* gives a worker's weights on its device; it
+        is called one worker at a time to learn the device, the result is not kept.
+        """
+        if self._sender is not None or self._receiver is not None:
+            raise RuntimeError("this scheme is already initialised")
+        if weights is not None and model is not None:
+            raise ValueError("pass either weights or model, not both")
+        if params_map is not None and (weights is not None or model is not None):
+            raise ValueError("params_map gives each worker's weights; do not pass weights or model with it")
+        if params_map is not None and (devices is not None or device_map_fn is not None):
+            raise ValueError("params_map already fixes each worker's device; do not pass devices or device_map_fn with it")
+        if devices is not None and device_map_fn is not None:
+            raise ValueError("pass either devices or device_map_fn, not both")
+        if ctx is None:
+            ctx = mp.get_context("spawn")
+        elif not isinstance(ctx, mp.context.BaseContext):
+            raise TypeError(f"ctx must be a multiprocessing context, got {type(ctx).__name__}")
+        if model is None and weights is None and params_map is None:
+            model = resolve_model(context, model_id)
+            if model is None:
+                raise ValueError(
+                    "nothing to send: pass model=, weights= or params_map=, or a context with the model at "
+                    f"context.{model_id}" if model_id else "nothing to send: pass model=, weights= or params_map="
+                )
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+        ids = self._worker_ids(params_map, devices, device_map_fn, num_workers, worker_ids)
+        device_of: dict[int, str | None] = {i: None for i in ids}
+        if devices is not None:
+            seq = devices if isinstance(devices, Mapping) else dict(zip(ids, devices))
+            for i in ids:
+                device_of[i] = str(torch.device(seq[i]))
+
+        if params_map is not None:
+            flat_map = {i: to_flat(params_map[i]) for i in ids}
+            for i, flat in flat_map.items():
+                device_of[i] = str(next(iter(flat.values())).device) if flat else None
+            first = flat_map[ids[0]]
+            source_ids = {i: id(params_map[i]) for i in ids}
+
+            def default_source(i: int) -> Mapping[str, torch.Tensor]:
+                return to_flat(params_map[i])  # type: ignore[index]
+
+            def source_key(i: int) -> int:
+                return source_ids[i]
+
+        else:
+            src = model if model is not None else weights
+            first = to_flat(src)
+
+            def default_source(i: int) -> Mapping[str, torch.Tensor]:
+                return to_flat(src)
+
+            def source_key(i: int) -> int:
+                return 0
+
+        if not first:
+            raise ValueError("the weights hold no tensors")
+        if device_map_fn is not None:
+            user_weights = _user_form(first, self.strategy)
+            for i in ids:  # one worker at a time: never N device copies alive at once
+                mapped = to_flat(device_map_fn(i, user_weights))
+                device_of[i] = str(next(iter(mapped.values())).device)
+                del mapped
+
+        source_layout = Layout.from_tensors(first)
+        dtype_map = {}
+        if self.transfer_dtype is not None:
+            dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
+        wire_layout = Layout.from_tensors(first, dtype_map)
+        pool = SlotPool(
+            wire_layout,
+            num_slots=self.num_slots,
+            max_slots=self.max_slots if self.max_slots is not None else len(ids) + self.num_slots,
+            reuse=self.transport == "shm",
+        )
+        self.model_id = model_id
+        self._sender = Sender(
+            worker_ids=ids,
+            source_layout=source_layout,
+            wire_layout=wire_layout,
+            default_source=default_source,
+            source_key=source_key,
+            devices=device_of,
+            pool=pool,
+            sync=self.sync,
+            timeout=self.timeout,
+            on_worker_error=self.on_worker_error,
+            check_finite=self.check_finite,
+            ctx=ctx,
+        )
+
+    @staticmethod
+    def _worker_ids(
+        params_map: Mapping[int, Any] | None,
+        devices: Any,
+        device_map_fn: Any,
+        num_workers: int | None,
+        worker_ids: Iterable[int] | None,
+    ) -> list[int]:
+        candidates: list[list[int]] = []
+        if params_map is not None:
+            candidates.append(list(params_map))
+        if worker_ids is not None:
+            candidates.append(list(worker_ids))
+        if isinstance(devices, Mapping):
+            candidates.append(list(devices))
+        if num_workers is not None:
+            if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+                raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+        if not candidates:
+            if devices is not None:
+                n = len(devices)
+                if num_workers is not None and num_workers != n:
+                    raise ValueError(f"num_workers={num_workers} but {n} devices were given")
+                candidates.append(list(range(n)))
+            elif num_workers is not None:
+                candidates.append(list(range(num_workers)))
+            elif device_map_fn is not None:
+                raise ValueError("device_map_fn needs num_workers (or worker_ids)")
+            else:
+                raise ValueError("say how many workers: num_workers=, worker_ids=, devices= or params_map=")
+        ids = candidates[0]
+        for other in candidates[1:]:
+            if sorted(other) != sorted(ids):
+                raise ValueError(f"worker ids disagree: {sorted(ids)} vs {sorted(other)}")
+        if num_workers is not None and num_workers != len(ids):
+            raise ValueError(f"num_workers={num_workers} but {len(ids)} worker ids were given")
+        if devices is not None and not isinstance(devices, Mapping) and len(devices) != len(ids):
+            raise ValueError(f"{len(devices)} devices for {len(ids)} workers")
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                raise ValueError(f"worker ids must be non-negative ints, got {i!r}")
+        if len(set(ids)) != len(ids) or not ids:
+            raise ValueError(f"worker ids must be distinct and non-empty, got {ids}")
+        return ids
+
+    # ------------------------------------------------------------------ receiver side
+
+    def init_on_receiver(
+        self,
+        model_id: str | None = None,
+        context: Any = None,
+        *,
+        worker_idx: int,
+        model: nn.Module | None = None,
+        on_update: OnUpdate | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Configure the worker side (in the worker process, on the pickled scheme).
+
+        *model* (or ``context.<model_id>``) receives the weights; if *context* has
+        ``update_policy_weights_`` it is called with every new version's weights, and
+        so is ``on_update(weights, version)`` (sync or async). *device* overrides the
+        device chosen on the sender (``devices`` / ``params_map`` / ``device_map_fn``);
+        by default the model's own device.
+        """
+        if self._sender is not None or self._receiver is not None:
+            raise RuntimeError("this scheme is already initialised")
+        if model is None:
+            model = resolve_model(context, model_id)
+        if model is None:
+            raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        conn = self._endpoints.pop(worker_idx, None)
+        if conn is None:
+            raise ValueError(f"no channel for worker {worker_idx}; this scheme carries workers {sorted(self._endpoints)}")
+        for other in self._endpoints.values():
+            other.close()  # other workers' ends: holding them would hide those workers' deaths
+        self._endpoints.clear()
+        self.model_id = model_id
+        self._receiver = Receiver(
+            conn,
+            worker_idx=worker_idx,
+            model=model,
+            strategy=self.strategy,
+            context=context,
+            on_update=on_update,
+            commit=self.commit_kind,
+            commit_mode=self.commit_mode,
+            timeout=self.timeout,
+            device=device,
+        )
+
+    # ------------------------------------------------------------------ both sides
+
+    @property
+    def sender(self) -> Sender:
+        if self._sender is None:
+            raise RuntimeError("call init_on_sender() first")
+        return self._sender
+
+    @property
+    def receiver(self) -> Receiver:
+        if self._receiver is None:
+            raise RuntimeError("call init_on_receiver() first")
+        return self._receiver
+
+    def _side(self) -> Sender | Receiver:
+        if self._sender is not None:
+            return self._sender
+        if self._receiver is not None:
+            return self._receiver
+        raise RuntimeError("call init_on_sender() or init_on_receiver() first")
+
+    async def connect(self, timeout: float | None = _DEFAULT) -> int:
+        """Sender: send the initial weights and wait for every worker's ack.
+        Worker: start the receiver task and wait for the initial weights. Returns the version."""
+        return await self._side().connect(timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Sender: ``stop`` every receiver, wait for them, release every resource.
+        Worker: end the receiver task. Idempotent."""
+        if self._sender is not None:
+            await self._sender.aclose()
+        elif self._receiver is not None:
+            await self._receiver.aclose()
+
+    async def __aenter__(self) -> MultiProcessWeightSyncScheme:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def statistics(self) -> SenderStatistics | ReceiverStatistics:
+        """Sender: versions, lags, errors per worker. Worker: its own version and timings."""
+        return self._side().statistics()
+
+    @property
+    def version(self) -> int:
+        """Sender: newest version sent. Worker: version its model runs."""
+        return self._side().version
+
+    # sender coroutines -------------------------------------------------------
+
+    async def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = _DEFAULT) -> int:
+        """Push weights (None: read the configured source) and, if ``sync``, wait for the acks.
+
+        *weights* may be an ``nn.Module``, a TensorDict or a state dict; *worker_ids* an
+        int or a list (None: every worker). Returns the version number of this send.
+        """
+        return await self.sender.send(weights, worker_ids, timeout=timeout)
+
+    async def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> int:
+        """Push weights without waiting for acks; returns the version (see :meth:`wait_async`)."""
+        return await self.sender.send_async(weights, worker_ids)
+
+    async def wait_async(
+        self,
+        version: int | None = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        quorum: int | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> None:
+        """Wait until the targeted workers applied *version* (default: everything sent)."""
+        await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
+
+    def watch_process(self, worker_idx: int, process: Any) -> None:
+        """Watch a worker's process (its ``sentinel``) to notice its death at once."""
+        self.sender.watch_process(worker_idx, process)
+
+    # worker helpers --------------------------------------------------------------
+
+    def commit(self) -> int | None:
+        """Worker, ``commit_mode="manual"``: commit the staged version now."""
+        return self.receiver.commit()
+
+    @property
+    def update_pending(self) -> bool:
+        """Worker: a staged version waits for :meth:`commit`."""
+        return self.receiver.update_pending
+
+    async def wait_for_version(self, version: int, *, timeout: float | None = _DEFAULT) -> int:
+        """Worker: wait until the model runs *version* or newer."""
+        return await self.receiver.wait_for_version(version, timeout=timeout)
+
+    async def wait_stopped(self) -> None:
+        """Worker: wait for ``stop``; raises :class:`SenderDiedError` if the trainer died."""
+        await self.receiver.wait_stopped()
+
+
+class _Endpoint:
+    """A channel end that pickles by passing its descriptor, whatever the pickler.
+
+    A plain ``pickle`` of a ``Connection`` would copy the descriptor *number*; this goes
+    through multiprocessing's reduction (inherited at spawn, else a descriptor handoff).
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.connection import reduce_connection  # type: ignore[attr-defined]
+
+        return (_Endpoint._rebuild, (reduce_connection(self.conn),))
+
+    @staticmethod
+    def _rebuild(reduced: tuple[Any, tuple[Any, ...]]) -> _Endpoint:
+        fn, args = reduced
+        return _Endpoint(fn(*args))
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _user_form(flat: Mapping[str, torch.Tensor], strategy: Strategy) -> Any:
+    from ._strategy import as_user_weights
+
+    return as_user_weights(flat, strategy)

@@ -1,0 +1,95 @@
+"""Copies that stage weights on a worker's device without stalling its event loop.
+
+CPU copies above a threshold run in a thread (torch releases the GIL while copying).
+CUDA copies are issued non-blocking on a side stream (from page-locked memory when the
+source is registered with CUDA) and their completion is awaited by polling a CUDA event
+from the loop: the loop thread never calls ``torch.cuda.synchronize()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["Stager", "copy_tensors"]
+
+THREAD_BYTES = 1 << 20
+_POLL_S = 0.0002
+
+
+def copy_tensors(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
+    """``dst[i].copy_(src[i])`` for all i, fused where torch can."""
+    with torch.no_grad():
+        try:
+            torch._foreach_copy_(list(dst), list(src), non_blocking=non_blocking)
+        except (RuntimeError, TypeError):
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=non_blocking)
+
+
+class Stager:
+    """Runs staging copies for one receiver; ``close()`` joins its thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._registered: dict[int, int] = {}
+
+    async def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], nbytes: int) -> None:
+        """Copy *src* into *dst* off the event loop; returns once the data is in place."""
+        if self.device.type == "cuda":
+            await self._copy_cuda(dst, src)
+        elif nbytes < THREAD_BYTES:
+            copy_tensors(dst, src)
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-stage")
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, copy_tensors, dst, src)
+            # The thread cannot be interrupted: even when cancelled, wait for it to finish
+            # so no buffer is being written once this coroutine has returned or raised.
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                await asyncio.wait([fut])
+                raise
+
+    def pin(self, buffer: torch.Tensor) -> None:
+        """Page-lock a shared CPU buffer so host-to-device copies are truly asynchronous."""
+        if self.device.type != "cuda" or buffer.numel() == 0:
+            return
+        ptr = buffer.data_ptr()
+        if ptr in self._registered:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)
+        if int(err) == 0:
+            self._registered[ptr] = buffer.numel()
+
+    def unpin(self, buffer: torch.Tensor) -> None:
+        ptr = buffer.data_ptr()
+        if self._registered.pop(ptr, None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    async def _copy_cuda(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        # The staging buffers may still be read by kernels queued on the compute stream.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            copy_tensors(dst, src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        while not event.query():
+            await asyncio.sleep(_POLL_S)
+
+    def close(self) -> None:
+        for ptr in list(self._registered):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

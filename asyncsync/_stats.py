@@ -1,0 +1,86 @@
+"""Immutable statistics records returned by ``statistics()``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SenderStatistics", "WorkerStatistics", "ReceiverStatistics"]
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    """One worker as the sender sees it.
+
+    Attributes:
+        worker_idx: the worker's id.
+        state: ``"waiting"`` (not connected yet), ``"connected"``, ``"dead"`` or ``"stopped"``.
+        pid: the worker's process id once it said hello.
+        exitcode: exit status of a dead worker, when known.
+        sent_version: newest version sent to it (-1: none).
+        applied_version: newest version it acknowledged as applied (-1: none).
+        lag: ``sender.version - applied_version``: how many versions it is behind.
+        last_error: the last rejection it reported, or None.
+        stage_ms / commit_ms: its stage and commit time for the last applied version.
+    """
+
+    worker_idx: int
+    state: str
+    pid: int | None
+    exitcode: int | None
+    sent_version: int
+    applied_version: int
+    lag: int
+    last_error: str | None
+    stage_ms: float
+    commit_ms: float
+
+
+@dataclass(frozen=True)
+class SenderStatistics:
+    """The sender's view of the whole group.
+
+    Attributes:
+        version: newest version sent (-1 before ``connect``).
+        sends: number of sends published.
+        bytes_copied: bytes written into shared memory so far.
+        slots: shared-memory slots now allocated; slot_bytes: bytes of one slot.
+        last_copy_ms: time the last send spent copying weights into its slot.
+        workers: one :class:`WorkerStatistics` per worker.
+    """
+
+    version: int
+    sends: int
+    bytes_copied: int
+    slots: int
+    slot_bytes: int
+    last_copy_ms: float
+    workers: tuple[WorkerStatistics, ...]
+
+    def worker(self, worker_idx: int) -> WorkerStatistics:
+        for w in self.workers:
+            if w.worker_idx == worker_idx:
+                return w
+        raise KeyError(worker_idx)
+
+
+@dataclass(frozen=True)
+class ReceiverStatistics:
+    """A worker's own view.
+
+    Attributes:
+        worker_idx: this worker's id.
+        version: version the model runs now (-1: none yet).
+        pending_version: version staged but not committed (manual commit), or None.
+        updates: number of versions applied; skipped: versions skipped (latest wins).
+        rejected: updates rejected (bad payload).
+        last_stage_ms / last_commit_ms: time spent staging / committing the last update.
+    """
+
+    worker_idx: int
+    version: int
+    pending_version: int | None
+    updates: int
+    skipped: int
+    rejected: int
+    last_stage_ms: float
+    last_commit_ms: float

@@ -1,0 +1,249 @@
+"""Start async worker functions in spawned child processes (on aiomultiprocess).
+
+Example::
+
+    async def worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+        scheme.init_on_receiver(worker_idx=worker_idx, model=make_model())
+        async with scheme:
+            await scheme.wait_stopped()
+        return scheme.version
+
+    async with spawn_workers(worker, 2, args=(scheme,), scheme=scheme) as workers:
+        async with scheme:
+            await scheme.send()
+    print(workers.results)        # {0: 1, 1: 1}
+
+A worker's exception is raised in the parent as :class:`WorkerProcessError` (with the
+original exception as ``__cause__`` when it pickles); on exit every child is joined
+with a deadline, then terminated, then killed: no child survives the block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing as mp
+import sys
+import traceback
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from types import TracebackType
+from typing import Any
+
+import aiomultiprocess
+import aiomultiprocess.core
+import anyio
+
+from ._errors import BrokenChannelError, SyncTimeoutError, WorkerProcessError
+from ._queues import AsyncQueue
+
+__all__ = ["WorkerGroup", "spawn_workers"]
+
+
+async def _child_entry(
+    fn: Callable[..., Coroutine[Any, Any, Any]],
+    worker_idx: int,
+    conn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    try:
+        result = await fn(worker_idx, *args, **kwargs)
+    except BaseException as exc:  # report over our own channel, then exit non-zero
+        tb = traceback.format_exc()
+        try:
+            conn.send(("error", exc, tb))
+        except Exception:
+            conn.send(("error", None, tb))
+        conn.close()
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    try:
+        conn.send(("ok", result, ""))
+    except Exception as exc:
+        conn.send(("error", None, f"result of worker {worker_idx} cannot be pickled: {exc!r}"))
+    conn.close()
+
+
+class WorkerGroup:
+    """N spawned processes each running ``await fn(worker_idx, *args, **kwargs)``."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        num_workers: int | None = None,
+        *,
+        worker_ids: Iterable[int] | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        scheme: Any = None,
+        join_timeout: float = 30.0,
+    ) -> None:
+        if not asyncio.iscoroutinefunction(fn):
+            raise TypeError("fn must be an async function taking worker_idx first")
+        if worker_ids is None:
+            if num_workers is None:
+                raise ValueError("pass num_workers or worker_ids")
+            worker_ids = range(num_workers)
+        self.fn = fn
+        self.worker_ids = list(worker_ids)
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        self.scheme = scheme
+        self.join_timeout = join_timeout
+        self.processes: dict[int, aiomultiprocess.Process] = {}
+        self.results: dict[int, Any] = {}
+        self._outcomes: dict[int, tuple[str, Any, str]] = {}
+        self._results: dict[int, AsyncQueue[Any]] = {}
+        self._started_manager = False
+        self._closed = False
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        ctx = aiomultiprocess.core.get_context()
+        if ctx.get_start_method() != "spawn":
+            raise RuntimeError("asyncsync workers need the 'spawn' start method (aiomultiprocess.set_start_method('spawn'))")
+        self._started_manager = aiomultiprocess.core._manager is None
+        for i in self.worker_ids:
+            self._start_one(i)
+
+    def _start_one(self, idx: int) -> None:
+        ctx = aiomultiprocess.core.get_context()
+        theirs_r, theirs_w = ctx.Pipe(duplex=False)
+        proc = aiomultiprocess.Process(
+            target=_child_entry,
+            args=(self.fn, idx, theirs_w, self.args, self.kwargs),
+            name=f"asyncsync-worker-{idx}",
+            daemon=True,
+        )
+        proc.start()
+        theirs_w.close()
+        self.processes[idx] = proc
+        self._results[idx] = AsyncQueue(theirs_r)
+        self._outcomes.pop(idx, None)
+        if self.scheme is not None and getattr(self.scheme, "_sender", None) is not None:
+            self.scheme.watch_process(idx, proc.aio_process)
+
+    async def __aenter__(self) -> WorkerGroup:
+        self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is None:
+            try:
+                await self.join(timeout=self.join_timeout)
+            finally:
+                await self.aclose()
+        else:
+            await self.aclose(grace=0.0 if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, asyncio.CancelledError)) else 2.0)
+
+    # -------------------------------------------------------------- control
+
+    def kill(self, worker_idx: int) -> None:
+        """SIGKILL one worker (for fault-injection tests and soak runs)."""
+        self.processes[worker_idx].kill()
+
+    async def restart(self, worker_idx: int, *, timeout: float = 10.0) -> None:
+        """Replace a dead worker: wait until the scheme noticed, then spawn a new one.
+
+        The new process receives the scheme with a fresh channel for ``worker_idx``
+        and gets the latest weights when it connects; the other workers are untouched.
+        """
+        old = self.processes[worker_idx]
+        if old.is_alive():
+            old.kill()
+        await self._wait_exit(worker_idx, timeout)
+        if self.scheme is not None and getattr(self.scheme, "_sender", None) is not None:
+            await self.scheme.sender.wait_dead(worker_idx, timeout=timeout)
+        await self._results[worker_idx].aclose()
+        old.close()
+        self._start_one(worker_idx)
+
+    async def _wait_exit(self, idx: int, timeout: float | None) -> bool:
+        proc = self.processes[idx]
+        with anyio.move_on_after(math.inf if timeout is None else timeout):
+            while proc.exitcode is None:
+                await anyio.wait_readable(proc.aio_process.sentinel)
+                proc.aio_process.join(0)
+            return True
+        return False
+
+    async def join(self, timeout: float | None = None) -> dict[int, Any]:
+        """Wait for every worker to finish; return ``{worker_idx: result}``.
+
+        Raises :class:`WorkerProcessError` for the first worker that raised or crashed.
+        """
+        try:
+            with anyio.fail_after(math.inf if timeout is None else timeout):
+                async with anyio.create_task_group() as tg:
+                    for idx in list(self.processes):
+                        tg.start_soon(self._collect, idx)
+        except TimeoutError:
+            running = {i: -1 for i, p in self.processes.items() if p.exitcode is None}
+            raise SyncTimeoutError("joining workers", running, timeout) from None
+        for idx in sorted(self._outcomes):
+            status, value, tb = self._outcomes[idx]
+            if status != "ok":
+                err = WorkerProcessError(idx, str(value) if value is not None else tb.strip().splitlines()[-1] if tb else "failed", tb)
+                if isinstance(value, BaseException):
+                    raise err from value
+                raise err
+        self.results = {i: self._outcomes[i][1] for i in sorted(self._outcomes)}
+        return self.results
+
+    async def _collect(self, idx: int) -> None:
+        if idx in self._outcomes:
+            return
+        queue = self._results[idx]
+        try:
+            self._outcomes[idx] = await queue.get()
+        except BrokenChannelError:
+            await self._wait_exit(idx, 5.0)
+            code = self.processes[idx].exitcode
+            self._outcomes[idx] = ("error", None, f"process exited with code {code} without a result")
+            return
+        await self._wait_exit(idx, 5.0)
+
+    async def aclose(self, grace: float = 2.0) -> None:
+        """Join every child for *grace* seconds, then terminate, then kill. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for idx in list(self.processes):
+                if not await self._wait_exit(idx, grace):
+                    self.processes[idx].terminate()
+                    if not await self._wait_exit(idx, 2.0):
+                        self.processes[idx].kill()
+                        await self._wait_exit(idx, 5.0)
+            for q in self._results.values():
+                await q.aclose()
+            for p in self.processes.values():
+                try:
+                    p.close()
+                except ValueError:
+                    pass
+            if self._started_manager and aiomultiprocess.core._manager is not None:
+                manager, aiomultiprocess.core._manager = aiomultiprocess.core._manager, None
+                manager.shutdown()
+
+
+def spawn_workers(
+    fn: Callable[..., Coroutine[Any, Any, Any]],
+    num_workers: int | None = None,
+    *,
+    worker_ids: Iterable[int] | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    scheme: Any = None,
+    join_timeout: float = 30.0,
+) -> WorkerGroup:
+    """A :class:`WorkerGroup` to use as ``async with``; see the module docstring.
+
+    With *scheme* (initialised on the sender), each process is registered with it so a
+    worker's death is noticed at once through its process sentinel.
+    """
+    return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout)
+
+
+_ = mp  # the context comes from aiomultiprocess (spawn by default)
