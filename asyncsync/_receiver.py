@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import os
 import time
@@ -31,6 +32,8 @@ from ._stats import ReceiverStatistics
 from ._strategy import Strategy, as_user_weights, named_tensors
 
 __all__ = ["Receiver"]
+
+logger = logging.getLogger("asyncsync")
 
 Commit = Literal["swap", "copy"]
 CommitMode = Literal["auto", "manual"]
@@ -90,6 +93,8 @@ class Receiver:
         self._updates = 0
         self._skipped = 0
         self._rejected = 0
+        self._responded = -1
+        self.last_error: str | None = None
         self._stage_s = 0.0
         self._commit_s = 0.0
         self._changed = asyncio.Event()
@@ -121,7 +126,17 @@ class Receiver:
         self._changed = asyncio.Event()
         self._queue.put_nowait(Hello(self.worker_idx, os.getpid()))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
-        await self.wait_for_version(0, timeout=timeout)
+        limit = self.timeout if timeout is ... else timeout
+        try:
+            with anyio.fail_after(math.inf if limit is None else limit):  # type: ignore[arg-type]
+                # The first instruction answered: applied, or rejected (then the worker
+                # keeps its own weights and keeps running; the sender raises).
+                while self._responded < 0 and not (self._pending is not None):
+                    if self._task.done():
+                        self._raise_ended()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit) from None  # type: ignore[arg-type]
         return self._version
 
     async def wait_for_version(self, version: int, *, timeout: float | None | object = ...) -> int:
@@ -365,6 +380,11 @@ class Receiver:
                 seg.close()
 
     def _ack(self, ack: Ack) -> None:
+        self._responded = max(self._responded, ack.version)
+        if not ack.ok:
+            self.last_error = ack.error
+            logger.warning("worker %d rejected version %d: %s", self.worker_idx, ack.version, ack.error)
+            self._notify()
         try:
             self._queue.put_nowait(ack)
         except (BrokenChannelError, ClosedError):

@@ -9,7 +9,7 @@ collector, following the order torchrl's own multiprocess collectors use::
     trainer: scheme.connect()                # puts the initial weights in the queues
     worker:  scheme.init_on_receiver(...); scheme.connect(worker_idx=i)
              # reads the initial weights, starts torchrl's background receiver thread
-    trainer: scheme.send(weights=model)      # sync=True: returns once every worker acked
+    trainer: scheme.send(weights=model)      # sync=True: returns once all workers acked
 
 What one timed ``send`` covers (both kinds use ``sync=True``, so it always ends
 with one ack per worker; nothing had to be measured differently):
@@ -18,7 +18,9 @@ with one ack per worker; nothing had to be measured differently):
   worker's weight queue (the trainer's parameter storages move into shared
   memory on the first send; later sends pickle file-descriptor handles, one
   per tensor per worker), put a "receive" instruction per worker; each worker
-  thread unpickles the handles, copies them into its parameters, acks.
+  thread unpickles the handles, copies them into its parameters, acks. (After
+  connect() a worker's parameters *are* the initial-weights tensors it got, one
+  shared-memory copy common to all workers, so N workers copy into one buffer.)
 * torchrl-shared: copy the trainer's parameters into the one shared-memory
   buffer that all workers' parameters alias, put a "receive" instruction per
   worker; each worker thread "applies" the buffer (a no-op copy, its
@@ -42,13 +44,17 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue as MPQueue
+from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 from torch import nn
 
 from asyncsync.bench._workload import make_model, parse_params, perturb_
+
+if TYPE_CHECKING:
+    from torchrl.weight_update import SharedMemWeightSyncScheme
 
 __all__ = ["KINDS", "available", "run_torchrl"]
 
@@ -92,7 +98,9 @@ def _peak_rss_mb(pid: int) -> float:
             for line in fh:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024.0
-    return psutil.Process(pid).memory_info().rss / 2**20
+    import psutil
+
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
 
 
 # --------------------------------------------------------------------------
@@ -101,18 +109,18 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 def _param_sums(model: nn.Module) -> list[float]:
-    """Per-parameter float64 sums, used to check the workers hold the trainer's weights."""
+    """Per-parameter float64 sums (to check workers hold the trainer's weights)."""
     with torch.no_grad():
         return [float(p.detach().double().sum()) for p in model.parameters()]
 
 
 def _worker_main(
-    scheme: Any,
+    scheme: SharedMemWeightSyncScheme,
     worker_idx: int,
     n_params: int,
     n_tensors: int,
-    cmd_q: Any,
-    out_q: Any,
+    cmd_q: MPQueue[str],
+    out_q: MPQueue[tuple[str, int, Any]],
 ) -> None:
     """Worker process: connect the torchrl receiver, then serve trainer commands.
 
@@ -158,7 +166,7 @@ def _worker_main(
 
 
 class _AckGuard(threading.Thread):
-    """Unblocks ``scheme.send`` when a worker dies or a send outlives ``SEND_TIMEOUT_S``.
+    """Unblock ``scheme.send`` if a worker dies or a send outlives ``SEND_TIMEOUT_S``.
 
     torchrl's sync send waits for acks with no timeout, so a dead worker (or a
     receiver thread that hit an error and never acked) would hang the trainer.
@@ -166,7 +174,9 @@ class _AckGuard(threading.Thread):
     warning for it) and records why, and the trainer raises.
     """
 
-    def __init__(self, procs: Sequence[Any], ack_queues: Sequence[Any]) -> None:
+    def __init__(
+        self, procs: Sequence[BaseProcess], ack_queues: Sequence[MPQueue[str]]
+    ) -> None:
         super().__init__(name="torchrl-ack-guard", daemon=True)
         self._procs = list(procs)
         self._ack_queues = list(ack_queues)
@@ -215,7 +225,7 @@ class _AckGuard(threading.Thread):
             return
 
 
-def _make_scheme(kind: str) -> Any:
+def _make_scheme(kind: str) -> SharedMemWeightSyncScheme:
     """Create the torchrl scheme for ``kind`` (sync sends, TensorDict strategy)."""
     from torchrl.weight_update import (
         MultiProcessWeightSyncScheme,
@@ -230,13 +240,13 @@ def _make_scheme(kind: str) -> Any:
 
 
 def _collect(
-    out_q: Any,
+    out_q: MPQueue[tuple[str, int, Any]],
     kind: str,
     workers: int,
-    procs: Sequence[Any],
+    procs: Sequence[BaseProcess],
     timeout_s: float,
 ) -> dict[int, Any]:
-    """Wait for one ``(kind, worker_idx, payload)`` message per worker from ``out_q``."""
+    """Wait for one ``(kind, worker_idx, payload)`` message per worker on ``out_q``."""
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < workers:
@@ -262,7 +272,9 @@ def _collect(
     return got
 
 
-def _stop_processes(procs: Sequence[Any], cmd_queues: Sequence[Any]) -> None:
+def _stop_processes(
+    procs: Sequence[BaseProcess], cmd_queues: Sequence[MPQueue[str]]
+) -> None:
     """Ask workers to stop, join them with a timeout, then terminate/kill stragglers."""
     for q in cmd_queues:
         with contextlib.suppress(Exception):
@@ -281,6 +293,22 @@ def _stop_processes(procs: Sequence[Any], cmd_queues: Sequence[Any]) -> None:
             p.join(timeout=2.0)
 
 
+def _release_scheme(scheme: SharedMemWeightSyncScheme) -> None:
+    """Shut the sender-side scheme down without risking a hang.
+
+    ``shutdown()`` (also run by the scheme's ``__del__``) puts "stop" on every
+    instruction queue and then joins each queue's feeder thread; if a worker
+    died with unread weights in its pipe that join would block forever, so the
+    feeders are told not to wait first (private torchrl attributes).
+    """
+    for name in ("_weight_init_queues", "_instruction_queues", "_ack_queues"):
+        for q in (getattr(scheme, name, None) or {}).values():
+            with contextlib.suppress(Exception):
+                q.cancel_join_thread()
+    with contextlib.suppress(Exception):
+        scheme.shutdown()
+
+
 def run_torchrl(
     kind: str,
     n_params: int,
@@ -289,7 +317,7 @@ def run_torchrl(
     repeats: int,
     ctx_method: str = "spawn",
 ) -> dict[str, Any]:
-    """Time ``repeats`` synchronous torchrl sends of fresh weights to ``workers`` processes.
+    """Time ``repeats`` synchronous torchrl sends of fresh weights to ``workers``.
 
     ``kind`` is "torchrl-mp" or "torchrl-shared". Each timed send is preceded
     (untimed) by ``perturb_`` of the trainer model and lasts until every worker
@@ -310,15 +338,17 @@ def run_torchrl(
     import torch.multiprocessing as tmp
     from tensordict import TensorDict
 
-    ctx = tmp.get_context(ctx_method)
+    # Any: typeshed's BaseContext lacks .Process; torch.multiprocessing (imported
+    # here) registers the tensor reducers used when queues/args are pickled.
+    ctx: Any = tmp.get_context(ctx_method)
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     _reset_peak_rss()
 
-    scheme: Any = None
-    procs: list[Any] = []
-    cmd_queues: list[Any] = []
-    out_q: Any = None
+    scheme: SharedMemWeightSyncScheme | None = None
+    procs: list[BaseProcess] = []
+    cmd_queues: list[MPQueue[str]] = []
+    out_q: MPQueue[tuple[str, int, Any]] | None = None
     guard: _AckGuard | None = None
     try:
         model = make_model(n_params, n_tensors, seed=0)
@@ -377,26 +407,30 @@ def run_torchrl(
         expected = _param_sums(model)
         stale = [idx for idx, got in sums.items() if got != expected]
         if stale:
-            raise RuntimeError(f"workers {stale} do not hold the trainer's last weights")
+            raise RuntimeError(
+                f"workers {stale} do not hold the trainer's last weights"
+            )
 
         return {
             "latencies_ms": latencies_ms,
             "peak_rss_sender_mb": _peak_rss_mb(os.getpid()),
-            "peak_rss_worker_mb": max(_peak_rss_mb(p.pid) for p in procs),
+            "peak_rss_worker_mb": max(
+                _peak_rss_mb(p.pid) for p in procs if p.pid is not None
+            ),
         }
     finally:
         if guard is not None:
             guard.stop()
-        # Sender-side shutdown: puts "stop" on each worker's instruction queue
-        # (ends torchrl's receiver threads) and closes the scheme's queues.
-        if scheme is not None:
-            with contextlib.suppress(Exception):
-                scheme.shutdown()
+        # Workers stop their own receiver threads (scheme.shutdown() there).
         _stop_processes(procs, cmd_queues)
-        for q in [*cmd_queues, *([out_q] if out_q is not None else [])]:
-            with contextlib.suppress(Exception):
-                q.cancel_join_thread()
-                q.close()
+        if scheme is not None:
+            _release_scheme(scheme)
+        own_queues: list[MPQueue[Any] | None] = [*cmd_queues, out_q]
+        for own_q in own_queues:
+            if own_q is not None:
+                with contextlib.suppress(Exception):
+                    own_q.cancel_join_thread()
+                    own_q.close()
         torch.set_num_threads(prev_threads)
 
 
@@ -416,8 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not available():
         print("torchrl is not importable in this environment", file=sys.stderr)
         return 1
-    print(f"{'kind':<15} {'size':<9} {'workers':>7} {'median_ms':>10} "
-          f"{'p90_ms':>8} {'sender_mb':>10} {'worker_mb':>10}")
+    print(
+        f"{'kind':<15} {'size':<9} {'workers':>7} {'median_ms':>10} "
+        f"{'p90_ms':>8} {'sender_mb':>10} {'worker_mb':>10}"
+    )
     for size in args.sizes:
         n_params, n_tensors = parse_params(size)
         for kind in args.kinds:
@@ -440,4 +476,8 @@ if __name__ == "__main__":
     # its real module name rather than __main__.
     from asyncsync.bench._torchrl import main as _main
 
-    sys.exit(_main())
+    try:
+        sys.exit(_main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -24,7 +24,7 @@ _SPEC_RE = re.compile(
 
 
 def parse_params(spec: str) -> tuple[int, int]:
-    """Parse ``"N"`` or ``"N/T"`` (N may end in k, M or G) into ``(n_params, n_tensors)``.
+    """Parse ``"N"`` or ``"N/T"`` (k/M/G suffixes) into ``(n_params, n_tensors)``.
 
     ``"10k"`` -> ``(10_000, 8)``, ``"1M/256"`` -> ``(1_000_000, 256)``,
     ``"1.5k"`` -> ``(1_500, 8)``. Without ``/T`` the tensor count is
@@ -71,7 +71,7 @@ def parse_params(spec: str) -> tuple[int, int]:
 
 
 def _shape_for(numel: int) -> tuple[int, ...]:
-    """Pick a 2-D ``(rows, width)`` shape for ``numel`` when a power-of-two width fits, else 1-D."""
+    """Pick ``(rows, width)`` with a power-of-two width dividing ``numel``, else 1-D."""
     width = 1024
     while width >= 16:
         if numel % width == 0 and numel // width >= 2:
@@ -86,7 +86,7 @@ def make_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> nn.Module:
-    """Build a module with exactly ``n_tensors`` parameters holding ``n_params`` elements in total.
+    """Build a module of exactly ``n_tensors`` parameters, ``n_params`` elements in all.
 
     Parameters are named ``p000``, ``p001``, ... (zero-padded to at least three
     digits), sized as evenly as possible (the first ``n_params % n_tensors``
@@ -127,7 +127,7 @@ def perturb_(model: nn.Module, step: int) -> None:
     stay near [-2, 2] instead of growing until +1 is rounded away), and every
     page is really written.
     """
-    params = [p for p in model.parameters()]
+    params: list[torch.Tensor] = list(model.parameters())
     if not params:
         return
     delta = 1.0 if step % 2 == 0 else -1.0

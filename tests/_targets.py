@@ -1,0 +1,111 @@
+"""Worker functions for the multi-process tests (module level: spawn pickles them by name)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncsync import AsyncQueue, MultiProcessWeightSyncScheme
+
+
+def make_model(kind: str = "mlp") -> nn.Module:
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+    if kind == "wide":  # another architecture: same keys, other shapes
+        return nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 3))
+    if kind == "bn":
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    raise ValueError(kind)
+
+
+def fill_(model: nn.Module, value: float) -> None:
+    """Set every parameter and floating buffer of *model* to *value*."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + [b for b in model.buffers() if b.is_floating_point()]:
+            t.fill_(value)
+
+
+async def forward_loop(model: nn.Module, stop: asyncio.Event) -> dict[str, int]:
+    """Forward passes between awaits; each must see one version (all params equal)."""
+    passes = mixed = 0
+    seen: set[float] = set()
+    while not stop.is_set():
+        values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        lo, hi = float(values.min()), float(values.max())
+        passes += 1
+        if lo != hi:
+            mixed += 1
+        seen.add(lo)
+        x = torch.ones(2, 4)
+        model(x)
+        await asyncio.sleep(0)
+    return {"passes": passes, "mixed": mixed, "versions_seen": len(seen)}
+
+
+async def probe_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, ctrl: Any, kind: str = "mlp", opts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A worker that answers probes on *ctrl* while its receiver applies updates."""
+    opts = opts or {}
+    torch.set_num_threads(1)
+    model = make_model(kind)
+    updates: list[int] = []
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model, on_update=lambda w, v: updates.append(v), **opts)
+    q: AsyncQueue[Any] = AsyncQueue(ctrl)
+    stop_forward = asyncio.Event()
+    forward: asyncio.Task[dict[str, int]] | None = None
+    async with scheme:
+        while True:
+            req = await q.get()
+            cmd = req[0]
+            if cmd == "state":
+                await q.put((scheme.version, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+            elif cmd == "version":
+                await q.put(scheme.version)
+            elif cmd == "wait_version":
+                await q.put(await scheme.wait_for_version(req[1], timeout=30))
+            elif cmd == "forward_start":
+                stop_forward.clear()
+                forward = asyncio.ensure_future(forward_loop(model, stop_forward))
+                await q.put("started")
+            elif cmd == "forward_stop":
+                stop_forward.set()
+                assert forward is not None
+                await q.put(await forward)
+            elif cmd == "updates":
+                await q.put(list(updates))
+            elif cmd == "stats":
+                await q.put(scheme.statistics())
+            elif cmd == "commit":
+                await q.put((scheme.update_pending, scheme.commit(), scheme.version))
+            elif cmd == "wait_stopped":
+                try:
+                    await scheme.wait_stopped()
+                    await q.put("stopped")
+                except Exception as exc:
+                    await q.put(repr(exc))
+                break
+            elif cmd == "exit":
+                break
+    return {"version": scheme.version, "updates": updates}
+
+
+async def simple_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, kind: str = "mlp") -> int:
+    """Receive until stopped; return the last version applied."""
+    torch.set_num_threads(1)
+    model = make_model(kind)
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
+    async with scheme:
+        await scheme.wait_stopped()
+    return scheme.version
+
+
+async def failing_worker(worker_idx: int, message: str) -> None:
+    raise ValueError(f"{message} from {worker_idx}")
+
+
+async def returning_worker(worker_idx: int, factor: int) -> int:
+    await asyncio.sleep(0)
+    return worker_idx * factor

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+
+from asyncsync import AsyncQueue, MultiProcessWeightSyncScheme, spawn_workers
+from tests._targets import make_model, probe_worker
+
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_children() -> Iterator[None]:
+    """Every test must leave no child process of ours behind."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    left = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before
+        and p.is_running()
+        and p.status() != psutil.STATUS_ZOMBIE
+        # multiprocessing's own semaphore tracker lives as long as the interpreter
+        and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert not left, f"child processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+class Probe:
+    """Talk to a probe_worker over its control pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.q: AsyncQueue[Any] = AsyncQueue(conn)
+
+    async def ask(self, *req: Any) -> Any:
+        await self.q.put(req)
+        return await self.q.get(timeout=30)
+
+
+class Cluster:
+    """A trainer-side scheme, its model and probe workers in spawned processes."""
+
+    def __init__(self, scheme: MultiProcessWeightSyncScheme, model: torch.nn.Module, n: int, kinds: list[str], opts: dict[str, Any] | None = None) -> None:
+        self.scheme = scheme
+        self.model = model
+        self.n = n
+        self.kinds = kinds
+        self.opts = opts
+        self.probes: list[Probe] = []
+        self.group: Any = None
+
+    async def start(self) -> Cluster:
+        ends = [CTX.Pipe() for _ in range(self.n)]
+        self.probes = [Probe(a) for a, _ in ends]
+        # one group per worker so each gets its own control pipe end
+        self.groups = []
+        for i, (_, b) in enumerate(ends):
+            g = spawn_workers(probe_worker, worker_ids=[i], args=(self.scheme, b, self.kinds[i], self.opts), scheme=self.scheme)
+            g.start()
+            b.close()
+            self.groups.append(g)
+        await self.scheme.connect()
+        return self
+
+    async def state(self, i: int) -> tuple[int, dict[str, torch.Tensor]]:
+        return await self.probes[i].ask("state")  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        try:
+            for p in self.probes:
+                await p.q.put(("wait_stopped",))
+            await self.scheme.aclose()
+            for p in self.probes:
+                assert await p.q.get(timeout=30) == "stopped"
+            for g in self.groups:
+                await g.join(timeout=30)
+        finally:
+            for g in self.groups:
+                await g.aclose()
+            for p in self.probes:
+                await p.q.aclose()
+
+
+def assert_same(model_or_sd: Any, sd: dict[str, torch.Tensor]) -> None:
+    ref = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
+    assert set(ref) == set(sd)
+    for k in ref:
+        assert torch.equal(ref[k], sd[k]), k
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster2() -> AsyncIterator[Cluster]:
+    """Two probe workers shared by the tests of one module (tensordict, shm)."""
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(strategy="tensordict", timeout=30)
+    scheme.init_on_sender(model=model, num_workers=2)
+    c = Cluster(scheme, model, 2, ["mlp", "mlp"])
+    await c.start()
+    yield c
+    await c.close()
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))

@@ -1,0 +1,110 @@
+"""AsyncQueue: fd-readiness waits, cancel-safety, timeouts, closed/broken ends."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+
+import pytest
+
+from asyncsync import AsyncQueue, BrokenChannelError, ClosedError, WouldBlock
+
+CTX = mp.get_context("spawn")
+
+
+def pair(kind: str) -> tuple[AsyncQueue[object], AsyncQueue[object]]:
+    if kind == "pipe":
+        a, b = CTX.Pipe()
+        return AsyncQueue(a), AsyncQueue(b)
+    q = CTX.Queue()
+    return AsyncQueue(q), AsyncQueue(q)
+
+
+@pytest.fixture(params=["pipe", "queue"])
+def queues(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    w, r = pair(request.param)
+    yield w, r
+    w.close()
+    r.close()
+
+
+async def test_put_get_roundtrip(queues) -> None:  # type: ignore[no-untyped-def]
+    w, r = queues
+    await w.put({"a": 1})
+    w.put_nowait("two")
+    assert await r.get(timeout=5) == {"a": 1}
+    assert await r.get(timeout=5) == "two"
+
+
+async def test_get_nowait_raises_would_block(queues) -> None:  # type: ignore[no-untyped-def]
+    _, r = queues
+    with pytest.raises(WouldBlock):
+        r.get_nowait()
+
+
+async def test_timed_out_get_loses_nothing(queues) -> None:  # type: ignore[no-untyped-def]
+    w, r = queues
+    with pytest.raises(TimeoutError):
+        await r.get(timeout=0.05)
+    await w.put("after-timeout")
+    assert await r.get(timeout=5) == "after-timeout"
+
+
+async def test_cancelled_get_loses_nothing(queues) -> None:  # type: ignore[no-untyped-def]
+    w, r = queues
+    task = asyncio.ensure_future(r.get())
+    await asyncio.sleep(0)  # the get is now parked on the descriptor
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await w.put("m1")
+    await w.put("m2")
+    assert await r.get(timeout=5) == "m1"
+    assert await r.get(timeout=5) == "m2"
+
+
+async def test_get_wakes_when_message_arrives() -> None:
+    w, r = pair("pipe")
+    task = asyncio.ensure_future(r.get(timeout=5))
+    await asyncio.sleep(0)
+    await w.put("hello")
+    assert await task == "hello"
+    w.close()
+    r.close()
+
+
+async def test_peer_closed_is_broken() -> None:
+    w, r = pair("pipe")
+    w.close()
+    with pytest.raises(BrokenChannelError):
+        await r.get(timeout=5)
+    r.close()
+
+
+async def test_closed_queue_refuses() -> None:
+    w, r = pair("pipe")
+    await r.aclose()
+    await r.aclose()  # idempotent
+    with pytest.raises(ClosedError):
+        r.get_nowait()
+    with pytest.raises(ClosedError):
+        await r.put("x")
+    w.close()
+
+
+async def test_cancelled_put_sends_nothing() -> None:
+    w, r = pair("pipe")
+    task = asyncio.ensure_future(w.put("never"))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(WouldBlock):
+        r.get_nowait()
+    w.close()
+    r.close()
+
+
+def test_rejects_other_objects() -> None:
+    with pytest.raises(TypeError, match="Connection or Queue"):
+        AsyncQueue(object())  # type: ignore[arg-type]

@@ -1,0 +1,114 @@
+"""Strategies, transports and commit kinds across real processes; rejection and helper errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncsync import (
+    MultiProcessWeightSyncScheme,
+    WorkerError,
+    WorkerProcessError,
+    spawn_workers,
+)
+from tests._targets import failing_worker, fill_, make_model, returning_worker, simple_worker
+from tests.conftest import Cluster, assert_same
+
+
+@pytest.mark.parametrize(
+    "strategy,transport,commit",
+    [("state_dict", "queue", "copy"), ("state_dict", "shm", "copy"), ("tensordict", "queue", "swap")],
+)
+async def test_one_worker_variants(strategy: str, transport: str, commit: str) -> None:
+    model = make_model("bn")
+    scheme = MultiProcessWeightSyncScheme(strategy=strategy, transport=transport, commit=commit, timeout=30)  # type: ignore[arg-type]
+    scheme.init_on_sender(model=model, num_workers=1)
+    c = Cluster(scheme, model, 1, ["bn"])
+    await c.start()
+    try:
+        _, sd = await c.state(0)
+        assert_same(model, sd)
+        for k in range(5):
+            fill_(model, float(k))
+            model[1].num_batches_tracked.fill_(k)  # an integer buffer travels too
+            v = await scheme.send()
+        version, sd = await c.state(0)
+        assert version == v
+        assert_same(model, sd)
+        stats = scheme.statistics()
+        if transport == "shm":
+            assert stats.slots == scheme.num_slots  # allocated once, reused
+        else:
+            assert stats.slots <= 2  # fresh segments, freed once released
+    finally:
+        await c.close()
+
+
+async def test_worker_with_other_architecture_rejects_and_keeps_weights() -> None:
+    model = make_model("mlp")
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=model, num_workers=2)
+    c = Cluster(scheme, model, 2, ["mlp", "wide"])
+    with pytest.raises(WorkerError) as info:
+        await c.start()
+    assert info.value.worker_idx == 1
+    assert "'0.weight': sent shape (16, 4), model has (32, 4)" in str(info.value)
+    try:
+        # worker 1 keeps running with its own weights; worker 0 is fine
+        fill_(model, 3.0)
+        v = await scheme.send(worker_ids=[0])
+        version0, sd0 = await c.state(0)
+        assert version0 == v and all(bool((t == 3.0).all()) for t in sd0.values())
+        version1, sd1 = await c.state(1)
+        assert version1 == -1
+        assert_same(make_model("wide"), sd1)
+        with pytest.raises(WorkerError, match="worker 1 rejected version"):
+            await scheme.send()
+        assert scheme.statistics().worker(1).last_error is not None
+    finally:
+        await c.close()
+
+
+async def test_spawn_workers_returns_results() -> None:
+    async with spawn_workers(returning_worker, 2, args=(10,)) as group:
+        results = await group.join(timeout=60)
+    assert results == {0: 0, 1: 10}
+
+
+async def test_spawn_workers_raises_worker_exception() -> None:
+    with pytest.raises(WorkerProcessError, match="boom from 1") as info:
+        async with spawn_workers(failing_worker, worker_ids=[1], args=("boom",)) as group:
+            await group.join(timeout=60)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "ValueError" in info.value.remote_traceback
+
+
+async def test_stop_ends_every_receiver_and_workers_return_their_version() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=model, num_workers=2)
+    async with spawn_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as group:
+        async with scheme:
+            fill_(model, 4.0)
+            v = await scheme.send()
+        results = await group.join(timeout=60)
+    assert results == {0: v, 1: v}
+    for w in scheme.statistics().workers:
+        assert w.state == "stopped"
+
+
+async def test_params_map_with_arbitrary_worker_ids() -> None:
+    # torchrl indexed params_map by position; here its keys are the worker ids.
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    td = {k: v for k, v in model.state_dict().items()}
+    scheme.init_on_sender(params_map={3: td, 7: td})
+    assert scheme.sender.worker_ids == [3, 7]
+    async with spawn_workers(simple_worker, worker_ids=[3, 7], args=(scheme,), scheme=scheme) as group:
+        async with scheme:
+            with torch.no_grad():
+                for t in td.values():
+                    t.fill_(2.0) if t.is_floating_point() else None
+            v = await scheme.send(worker_ids=[7])
+        results = await group.join(timeout=60)
+    assert results == {3: 0, 7: v}
