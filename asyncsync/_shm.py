@@ -52,21 +52,20 @@ class Segment:
             os.close(self.fd)
             self.fd = None
 
-    def close(self) -> None:
-        """Drop the descriptor and this object's mapping.
+    def close(self, unmap: bool = False) -> None:
+        """Drop the descriptor and this object's reference to the mapping.
 
-        Tensors that still view the buffer (a model pointing at it) keep the memory
+        Tensors that still view the buffer (a model pointing at it) keep the mapping
         alive until they are garbage-collected: that is how a worker keeps its last
-        weights after the sender is gone.
+        weights after the sender is gone. ``unmap=True`` unmaps at once; only the
+        owner of every view (the sender, for its slots) may ask for that, since
+        ``torch.frombuffer`` views do not pin the mapping against ``mmap.close()``.
         """
         self.close_fd()
         self.buf = torch.empty(0, dtype=torch.uint8)
         mm, self._mmap = self._mmap, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # still exported to live tensors; freed with them
+        if mm is not None and unmap:
+            mm.close()
 
     def __del__(self) -> None:
         if getattr(self, "fd", None) is not None:

@@ -88,11 +88,11 @@ class SlotPool:
                 keep.append(s)
             else:
                 s.views = None
-                s.segment.close()
+                s.segment.close(unmap=True)
         self.slots = keep
 
     def close(self) -> None:
         for s in self.slots:
             s.views = None
-            s.segment.close()
+            s.segment.close(unmap=True)
         self.slots = []
