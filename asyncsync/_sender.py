@@ -156,6 +156,20 @@ class Sender:
             os.close(w.sentinel)
             w.sentinel = None
 
+    async def wait_joined(self, worker_idx: int, timeout: float | None = None) -> None:
+        """Wait until *worker_idx* is connected and has answered the latest version sent to it."""
+        w = self._worker(worker_idx)
+        try:
+            with anyio.fail_after(math.inf if timeout is None else timeout):
+                while not (w.state == "connected" and w.responded >= w.sent):
+                    if self._state != "running":
+                        raise ClosedError("the sender is closed")
+                    await self._changed.wait()
+        except TimeoutError:
+            raise SyncTimeoutError(f"waiting for worker {worker_idx} to join", {worker_idx: w.applied}, timeout) from None
+        if w.applied < w.sent:
+            raise WorkerError(worker_idx, w.sent, w.last_error or "rejected")
+
     async def wait_dead(self, worker_idx: int, timeout: float | None = None) -> None:
         """Wait until the sender has noticed that *worker_idx* is gone."""
         w = self._worker(worker_idx)

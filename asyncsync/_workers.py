@@ -77,6 +77,7 @@ class WorkerGroup:
         kwargs: Mapping[str, Any] | None = None,
         scheme: Any = None,
         join_timeout: float = 30.0,
+        daemon: bool = False,
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
@@ -90,6 +91,7 @@ class WorkerGroup:
         self.kwargs = dict(kwargs or {})
         self.scheme = scheme
         self.join_timeout = join_timeout
+        self.daemon = daemon  # daemonic workers cannot start processes of their own
         self.processes: dict[int, aiomultiprocess.Process] = {}
         self.results: dict[int, Any] = {}
         self._outcomes: dict[int, tuple[str, Any, str]] = {}
@@ -114,7 +116,7 @@ class WorkerGroup:
             target=_child_entry,
             args=(self.fn, idx, theirs_w, self.args, self.kwargs),
             name=f"asyncsync-worker-{idx}",
-            daemon=True,
+            daemon=self.daemon,
         )
         proc.start()
         theirs_w.close()
@@ -148,6 +150,7 @@ class WorkerGroup:
 
         The new process receives the scheme with a fresh channel for ``worker_idx``
         and gets the latest weights when it connects; the other workers are untouched.
+        With a scheme, returns once the replacement has applied those weights.
         """
         old = self.processes[worker_idx]
         if old.is_alive():
@@ -158,6 +161,8 @@ class WorkerGroup:
         await self._results[worker_idx].aclose()
         old.close()
         self._start_one(worker_idx)
+        if self.scheme is not None and getattr(self.scheme, "_sender", None) is not None:
+            await self.scheme.sender.wait_joined(worker_idx, timeout=timeout + 30.0)
 
     async def _wait_exit(self, idx: int, timeout: float | None) -> bool:
         proc = self.processes[idx]
@@ -237,13 +242,14 @@ def spawn_workers(
     kwargs: Mapping[str, Any] | None = None,
     scheme: Any = None,
     join_timeout: float = 30.0,
+    daemon: bool = False,
 ) -> WorkerGroup:
     """A :class:`WorkerGroup` to use as ``async with``; see the module docstring.
 
     With *scheme* (initialised on the sender), each process is registered with it so a
     worker's death is noticed at once through its process sentinel.
     """
-    return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout)
+    return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout, daemon=daemon)
 
 
 _ = mp  # the context comes from aiomultiprocess (spawn by default)

@@ -109,3 +109,38 @@ async def failing_worker(worker_idx: int, message: str) -> None:
 async def returning_worker(worker_idx: int, factor: int) -> int:
     await asyncio.sleep(0)
     return worker_idx * factor
+
+
+async def trainer_process(worker_idx: int, report: Any) -> None:
+    """A trainer in its own process (so a test can SIGKILL it) with one worker of its own."""
+    from asyncsync import spawn_workers
+
+    torch.set_num_threads(1)
+    model = make_model()
+    fill_(model, 5.0)
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=model, num_workers=1)
+    group = spawn_workers(orphan_worker, 1, args=(scheme, report), scheme=scheme)
+    group.start()
+    await scheme.connect()
+    fill_(model, 6.0)
+    await scheme.send()
+    report.send(("trainer-ready", scheme.version))
+    await asyncio.Event().wait()  # until killed
+
+
+async def orphan_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, report: Any) -> None:
+    """Reports how it learns of its trainer's death, and what weights it kept."""
+    model = make_model()
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
+    import os
+
+    report.send(("worker-pid", os.getpid()))
+    async with scheme:
+        try:
+            await scheme.wait_stopped()
+            outcome = "stopped"
+        except Exception as exc:
+            outcome = type(exc).__name__ + ": " + str(exc)
+        values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        report.send(("worker-done", outcome, scheme.version, float(values.min()), float(values.max())))

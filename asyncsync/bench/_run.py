@@ -1,0 +1,530 @@
+"""asyncsync side of the benchmark, the one-copy floor, and the row driver.
+
+Every timed send is ``await scheme.send()`` with ``sync=True``: it lasts until every
+worker acknowledged (applied) the new version. The trainer model is changed with
+``perturb_`` before every send, outside the timed region, so each send ships fresh
+weights. Every process runs ``torch.set_num_threads(1)``.
+
+Worker processes are started with :func:`asyncsync.spawn_workers`; each row gets fresh
+workers, and the scheme is always closed (``try/finally: await scheme.aclose()``) before
+the workers are joined, so ctrl-C or an error leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncsync.bench._workload import make_model, parse_params, perturb_
+
+__all__ = [
+    "ASYNCSYNC_TRANSPORTS",
+    "WARMUP_SENDS",
+    "available_transports",
+    "measure_floor",
+    "run_asyncsync",
+    "run_rows",
+]
+
+ASYNCSYNC_TRANSPORTS: tuple[str, ...] = ("shm", "queue")
+TORCHRL_TRANSPORTS: tuple[str, ...] = ("torchrl-mp", "torchrl-shared")
+WARMUP_SENDS = 2
+MEMORY_SENDS = 20
+#: Timeout of the scheme's waits (connect, sends, acks) in the benchmark.
+SCHEME_TIMEOUT_S = 300.0
+JOIN_TIMEOUT_S = 60.0
+TICK_S = 0.001
+
+Progress = Callable[[str], None]
+
+
+def available_transports() -> list[str]:
+    """asyncsync's transports, plus torchrl's schemes when torchrl can be imported."""
+    from asyncsync.bench._torchrl import available
+
+    return [*ASYNCSYNC_TRANSPORTS, *(TORCHRL_TRANSPORTS if available() else ())]
+
+
+# --------------------------------------------------------------------------
+# small measurement helpers
+# --------------------------------------------------------------------------
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_mb() -> float:
+    """Current RSS of this process in MiB (Linux /proc; psutil elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE / 2**20
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return float(psutil.Process().memory_info().rss) / 2**20
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's peak RSS (VmHWM) on Linux; a no-op elsewhere."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+
+
+def _peak_rss_mb() -> float:
+    """Peak RSS (VmHWM) of this process in MiB; the current RSS where unsupported."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    return _rss_mb()
+
+
+def _memfd_mb() -> float | None:
+    """Resident MiB of this process's asyncsync memfd mappings (from /proc/self/smaps)."""
+    try:
+        total_kb = 0
+        inside = False
+        with open("/proc/self/smaps") as fh:
+            for line in fh:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping header line
+                    inside = "/memfd:asyncsync" in line
+                elif inside and head == "Rss:":
+                    total_kb += int(line.split()[1])
+        return total_kb / 1024.0
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _dev_shm_mb() -> float | None:
+    """Bytes used in /dev/shm, in MiB (None where there is no /dev/shm)."""
+    try:
+        return shutil.disk_usage("/dev/shm").used / 2**20
+    except OSError:
+        return None
+
+
+def _param_sums(model: nn.Module) -> list[float]:
+    with torch.no_grad():
+        return [float(p.detach().double().sum()) for p in model.parameters()]
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of a non-empty sequence."""
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
+    return ordered[k]
+
+
+def summarize(latencies_ms: Sequence[float]) -> dict[str, float]:
+    return {"median_ms": statistics.median(latencies_ms), "p90_ms": _percentile(latencies_ms, 0.9)}
+
+
+# --------------------------------------------------------------------------
+# the one-copy floor
+# --------------------------------------------------------------------------
+
+
+def measure_floor(n_params: int, n_tensors: int, repeats: int) -> dict[str, float]:
+    """Median time of one fused copy of the model's tensors into a touched buffer.
+
+    Same process, one thread; the destination is one contiguous buffer of the model's
+    size, written once before timing. Fresh values before every copy (``perturb_``,
+    untimed), as for the sends.
+    """
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model(n_params, n_tensors, seed=0)
+        src = [p.detach() for p in model.parameters()]
+        buf = torch.zeros(sum(t.numel() for t in src), dtype=src[0].dtype)
+        dst = [v.view(t.shape) for v, t in zip(torch.split(buf, [t.numel() for t in src]), src)]
+        nbytes = buf.numel() * buf.element_size()
+        n = max(repeats, 15) if nbytes >= 16 << 20 else max(repeats, 100)
+        times: list[float] = []
+        for step in range(WARMUP_SENDS + n):
+            perturb_(model, step)
+            t0 = time.perf_counter_ns()
+            torch._foreach_copy_(dst, src)
+            t1 = time.perf_counter_ns()
+            if step >= WARMUP_SENDS:
+                times.append((t1 - t0) / 1e6)
+        if not torch.equal(buf[: src[0].numel()].view(src[0].shape), src[0]):
+            raise RuntimeError("floor copy did not copy")
+        return {"floor_ms": statistics.median(times), "floor_p90_ms": _percentile(times, 0.9)}
+    finally:
+        torch.set_num_threads(prev)
+
+
+# --------------------------------------------------------------------------
+# worker side (module level: spawn pickles it by name)
+# --------------------------------------------------------------------------
+
+
+async def _ticker(ticks: array.array[float], stop: asyncio.Event) -> None:
+    """Sleep TICK_S in a loop, stamping each wake-up: gaps show how long the loop stalled."""
+    ticks.append(time.perf_counter())
+    while not stop.is_set():
+        await asyncio.sleep(TICK_S)
+        ticks.append(time.perf_counter())
+
+
+async def bench_worker(
+    worker_idx: int,
+    scheme: Any,
+    n_params: int,
+    n_tensors: int,
+    probe: bool = False,
+    tick: bool = False,
+) -> dict[str, Any]:
+    """Receive until stopped; report weights' sums, peak RSS and (optionally) probes.
+
+    *probe*: record ``(version, commit time, RSS MiB)`` at every commit (an
+    ``on_update`` callback). *tick*: run a 1 ms ticker on the loop and return its
+    wake-up times, from which the trainer computes the loop lag during its sends.
+    ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by all processes.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
+    torch.set_num_threads(1)
+    model = make_model(n_params, n_tensors, seed=1000 + worker_idx)
+    commits: list[tuple[int, float, float]] = []
+
+    def on_update(_weights: Any, version: int) -> None:
+        commits.append((version, time.perf_counter(), _rss_mb()))
+
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model, on_update=on_update if probe else None)
+    ticks: array.array[float] = array.array("d")
+    stop_tick = asyncio.Event()
+    ticker = asyncio.ensure_future(_ticker(ticks, stop_tick)) if tick else None
+    try:
+        async with scheme:
+            await scheme.wait_stopped()
+    finally:
+        stop_tick.set()
+        if ticker is not None:
+            await ticker
+    stats = scheme.statistics()
+    return {
+        "pid": os.getpid(),
+        "version": scheme.version,
+        "sums": _param_sums(model),
+        "peak_rss_mb": _peak_rss_mb(),
+        "rss_mb": _rss_mb(),
+        "memfd_mb": _memfd_mb(),
+        "commits": commits,
+        "ticks": ticks.tolist(),
+        "last_commit_ms": stats.last_commit_ms,
+        "last_stage_ms": stats.last_stage_ms,
+    }
+
+
+# --------------------------------------------------------------------------
+# trainer side
+# --------------------------------------------------------------------------
+
+
+async def run_asyncsync(
+    transport: str,
+    n_params: int,
+    n_tensors: int,
+    workers: int,
+    repeats: int,
+    *,
+    commit: str = "swap",
+    probe: bool = False,
+    tick: bool = False,
+    warmup: int = WARMUP_SENDS,
+) -> dict[str, Any]:
+    """Time *repeats* synchronous sends of fresh weights to *workers* fresh processes.
+
+    Returns ``latencies_ms``, per-send ``t0``/``t1`` (perf_counter seconds) and
+    ``versions``, the sender's peak RSS and memory before/after the timed sends, and
+    ``workers``: each worker's report (see :func:`bench_worker`). The workers' final
+    weights are checked against the trainer's.
+    """
+    from asyncsync import MultiProcessWeightSyncScheme, spawn_workers
+
+    if transport not in ASYNCSYNC_TRANSPORTS:
+        raise ValueError(f"unknown asyncsync transport {transport!r}; expected one of {ASYNCSYNC_TRANSPORTS}")
+    model = make_model(n_params, n_tensors, seed=0)
+    scheme = MultiProcessWeightSyncScheme(
+        strategy="tensordict", sync=True, timeout=SCHEME_TIMEOUT_S, transport=transport, commit=commit  # type: ignore[arg-type]
+    )
+    scheme.init_on_sender(model=model, num_workers=workers)
+    _reset_peak_rss()
+    out: dict[str, Any] = {"latencies_ms": [], "t0": [], "t1": [], "versions": []}
+    async with spawn_workers(
+        bench_worker,
+        workers,
+        args=(scheme, n_params, n_tensors, probe, tick),
+        scheme=scheme,
+        join_timeout=JOIN_TIMEOUT_S,
+    ) as group:
+        try:
+            await scheme.connect()
+            for step in range(warmup + repeats):
+                perturb_(model, step)
+                if step == warmup:
+                    out["rss_before_mb"] = _rss_mb()
+                    out["dev_shm_before_mb"] = _dev_shm_mb()
+                    out["memfd_before_mb"] = _memfd_mb()
+                    _reset_peak_rss()
+                t0 = time.perf_counter_ns()
+                version = await scheme.send()
+                t1 = time.perf_counter_ns()
+                if step >= warmup:
+                    out["latencies_ms"].append((t1 - t0) / 1e6)
+                    out["t0"].append(t0 / 1e9)
+                    out["t1"].append(t1 / 1e9)
+                    out["versions"].append(version)
+            out["rss_after_mb"] = _rss_mb()
+            out["dev_shm_after_mb"] = _dev_shm_mb()
+            out["memfd_after_mb"] = _memfd_mb()
+            out["peak_rss_sender_mb"] = _peak_rss_mb()
+            stats = scheme.statistics()
+            out["slots"] = stats.slots
+            out["slot_bytes"] = stats.slot_bytes
+            out["last_copy_ms"] = stats.last_copy_ms
+            out["worker_commit_ms"] = [w.commit_ms for w in stats.workers]
+        finally:
+            await scheme.aclose()
+        results = await group.join(timeout=JOIN_TIMEOUT_S)
+    expected = _param_sums(model)
+    stale = [i for i, r in results.items() if r["sums"] != expected]
+    if stale:
+        raise RuntimeError(f"asyncsync workers {stale} do not hold the trainer's last weights")
+    out["workers"] = [results[i] for i in sorted(results)]
+    out["peak_rss_worker_mb"] = max(r["peak_rss_mb"] for r in out["workers"])
+    return out
+
+
+def _loop_lag(res: dict[str, Any]) -> dict[str, float]:
+    """Max ticker gap beyond TICK_S, and send-to-commit times, over the timed sends."""
+    start, end = res["t0"][0], res["t1"][-1]
+    lag_max = 0.0
+    lags: list[float] = []
+    for w in res["workers"]:
+        ticks = w["ticks"]
+        for a, b in zip(ticks, ticks[1:]):
+            if b >= start and a <= end:  # this sleep overlapped the timed sends
+                lag = max(0.0, (b - a) - TICK_S) * 1e3
+                lags.append(lag)
+                lag_max = max(lag_max, lag)
+    sent_at = dict(zip(res["versions"], res["t0"]))
+    to_commit: list[float] = []
+    for w in res["workers"]:
+        for version, t, _rss in w["commits"]:
+            if version in sent_at:
+                to_commit.append((t - sent_at[version]) * 1e3)
+    return {
+        "loop_lag_max_ms": lag_max,
+        "loop_lag_p99_ms": _percentile(lags, 0.99) if lags else float("nan"),
+        "ticks": float(len(lags)),
+        "send_to_commit_ms": statistics.median(to_commit) if to_commit else float("nan"),
+        "send_to_commit_max_ms": max(to_commit) if to_commit else float("nan"),
+    }
+
+
+# --------------------------------------------------------------------------
+# the driver
+# --------------------------------------------------------------------------
+
+
+def _largest(specs: Sequence[str]) -> str:
+    return max(specs, key=lambda s: parse_params(s))
+
+
+def _mb(nbytes: float) -> float:
+    return nbytes / 2**20
+
+
+def run_rows(
+    transports: Sequence[str],
+    params: Sequence[str],
+    workers: Sequence[int],
+    repeats: int,
+    *,
+    loop_lag: bool = False,
+    memory: bool | None = None,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
+    """Run every (params x workers x transport) row, then the memory and loop-lag rows."""
+    say = progress or (lambda _line: None)
+    for t in transports:
+        if t not in (*ASYNCSYNC_TRANSPORTS, *TORCHRL_TRANSPORTS):
+            raise ValueError(f"unknown transport {t!r}; expected one of {(*ASYNCSYNC_TRANSPORTS, *TORCHRL_TRANSPORTS)}")
+    if any(t in TORCHRL_TRANSPORTS for t in transports):
+        from asyncsync.bench._torchrl import available
+
+        if not available():
+            raise ValueError("torchrl transports were asked for but torchrl.weight_update cannot be imported")
+    specs = {p: parse_params(p) for p in params}
+    if memory is None:
+        memory = specs[_largest(params)][0] >= 25_000_000
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    try:
+        with _shared_manager():
+            for spec in params:
+                n_params, n_tensors = specs[spec]
+                nbytes = n_params * 4
+                floor = measure_floor(n_params, n_tensors, repeats)
+                say(f"floor   {spec:>8}: {floor['floor_ms']:.4f} ms ({nbytes / floor['floor_ms'] / 1e6:.2f} GB/s)")
+                for nw in workers:
+                    for transport in transports:
+                        t_start = time.perf_counter()
+                        row = _latency_row(transport, spec, n_params, n_tensors, nw, repeats)
+                        row["floor_ms"] = floor["floor_ms"]
+                        row["floor_ratio"] = row["median_ms"] / floor["floor_ms"]
+                        row["gbps"] = nbytes / (row["median_ms"] / 1e3) / 1e9
+                        rows.append(row)
+                        say(
+                            f"{transport:>14} {spec:>8} x{nw}: median {row['median_ms']:9.3f} ms  p90 {row['p90_ms']:9.3f} ms  "
+                            f"{row['floor_ratio']:7.2f}x floor  ({time.perf_counter() - t_start:.1f}s)"
+                        )
+            _add_torchrl_ratios(rows)
+            ours = [t for t in transports if t in ASYNCSYNC_TRANSPORTS]
+            big = _largest(params)
+            n_params, n_tensors = specs[big]
+            if memory and ours:
+                for transport in ours:
+                    row = _memory_row(transport, big, n_params, n_tensors, max(workers))
+                    rows.append(row)
+                    say(
+                        f"memory {transport:>7} {big:>8} x{max(workers)}: sender RSS {row['rss_sender_before_mb']:.0f} -> "
+                        f"{row['rss_sender_after_mb']:.0f} MiB, /dev/shm {row['dev_shm_before_mb']} -> {row['dev_shm_after_mb']} MiB"
+                    )
+            if loop_lag:
+                for nw in workers:
+                    for mode, commit in (("staged", "swap"), ("inline", "copy")):
+                        row = _loop_lag_row(mode, commit, big, n_params, n_tensors, nw, repeats)
+                        rows.append(row)
+                        say(
+                            f"loop-lag {mode:>6} {big:>8} x{nw}: lag max {row['loop_lag_max_ms']:.2f} ms, send->commit "
+                            f"{row['send_to_commit_ms']:.1f} ms, median send {row['median_ms']:.1f} ms"
+                        )
+    finally:
+        torch.set_num_threads(prev_threads)
+    return rows
+
+
+@contextlib.contextmanager
+def _shared_manager() -> Iterable[None]:
+    """Start aiomultiprocess's manager process once for the whole run.
+
+    Each ``spawn_workers`` group would otherwise start (and stop) its own, one more
+    interpreter start (torch and tensordict imports included) per row.
+    """
+    import aiomultiprocess.core
+
+    started = aiomultiprocess.core._manager is None
+    aiomultiprocess.core.get_manager()
+    try:
+        yield
+    finally:
+        if started and aiomultiprocess.core._manager is not None:
+            manager, aiomultiprocess.core._manager = aiomultiprocess.core._manager, None
+            with contextlib.suppress(Exception):
+                manager.shutdown()
+
+
+def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, workers: int, repeats: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"kind": "latency", "transport": transport, "params": spec, "n_params": n_params, "n_tensors": n_tensors, "workers": workers}
+    if transport in TORCHRL_TRANSPORTS:
+        from asyncsync.bench._torchrl import run_torchrl
+
+        res = run_torchrl(transport, n_params, n_tensors, workers, repeats)
+        torch.set_num_threads(1)
+    else:
+        res = asyncio.run(run_asyncsync(transport, n_params, n_tensors, workers, repeats))
+        row["sender_copy_ms"] = res["last_copy_ms"]
+        row["worker_commit_ms"] = max(res["worker_commit_ms"])
+    row.update(summarize(res["latencies_ms"]))
+    row["min_ms"] = min(res["latencies_ms"])
+    row["repeats"] = len(res["latencies_ms"])
+    row["peak_rss_sender_mb"] = res["peak_rss_sender_mb"]
+    row["peak_rss_worker_mb"] = res["peak_rss_worker_mb"]
+    row["vs_torchrl_mp"] = None
+    row["vs_torchrl_shared"] = None
+    return row
+
+
+def _add_torchrl_ratios(rows: list[dict[str, Any]]) -> None:
+    """vs_torchrl_* = torchrl's median / ours, same params and workers, same run."""
+    medians = {(r["transport"], r["params"], r["workers"]): r["median_ms"] for r in rows if r["kind"] == "latency"}
+    for r in rows:
+        if r["kind"] != "latency" or r["transport"] not in ASYNCSYNC_TRANSPORTS:
+            continue
+        for kind, key in (("torchrl-mp", "vs_torchrl_mp"), ("torchrl-shared", "vs_torchrl_shared")):
+            theirs = medians.get((kind, r["params"], r["workers"]))
+            r[key] = theirs / r["median_ms"] if theirs is not None else None
+
+
+def _memory_row(transport: str, spec: str, n_params: int, n_tensors: int, workers: int) -> dict[str, Any]:
+    res = asyncio.run(run_asyncsync(transport, n_params, n_tensors, workers, MEMORY_SENDS, probe=True))
+    timed = set(res["versions"])
+    w_rss = [[rss for v, _t, rss in w["commits"] if v in timed] for w in res["workers"]]
+    row: dict[str, Any] = {
+        "kind": "memory",
+        "transport": transport,
+        "params": spec,
+        "n_params": n_params,
+        "workers": workers,
+        "sends": len(res["latencies_ms"]),
+        "model_mb": _mb(n_params * 4),
+        **summarize(res["latencies_ms"]),
+        "peak_rss_sender_mb": res["peak_rss_sender_mb"],
+        "peak_rss_worker_mb": res["peak_rss_worker_mb"],
+        "rss_sender_before_mb": res["rss_before_mb"],
+        "rss_sender_after_mb": res["rss_after_mb"],
+        "sender_extra_mb": res["peak_rss_sender_mb"] - res["rss_before_mb"],
+        "rss_worker_first_mb": max(r[0] for r in w_rss) if all(w_rss) else None,
+        "rss_worker_last_mb": max(r[-1] for r in w_rss) if all(w_rss) else None,
+        "dev_shm_before_mb": res["dev_shm_before_mb"],
+        "dev_shm_after_mb": res["dev_shm_after_mb"],
+        "memfd_sender_before_mb": res["memfd_before_mb"],
+        "memfd_sender_after_mb": res["memfd_after_mb"],
+        "memfd_worker_mb": max((w["memfd_mb"] or 0.0) for w in res["workers"]),
+        "slots": res["slots"],
+        "slots_mb": _mb(res["slots"] * res["slot_bytes"]),
+    }
+    return row
+
+
+def _loop_lag_row(mode: str, commit: str, spec: str, n_params: int, n_tensors: int, workers: int, repeats: int) -> dict[str, Any]:
+    res = asyncio.run(run_asyncsync("shm", n_params, n_tensors, workers, repeats, commit=commit, probe=True, tick=True))
+    row: dict[str, Any] = {
+        "kind": "loop_lag",
+        "transport": "shm",
+        "mode": mode,
+        "commit": commit,
+        "params": spec,
+        "n_params": n_params,
+        "workers": workers,
+        **summarize(res["latencies_ms"]),
+        **_loop_lag(res),
+        "worker_commit_ms": max(res["worker_commit_ms"]),
+        "sender_copy_ms": res["last_copy_ms"],
+        "peak_rss_sender_mb": res["peak_rss_sender_mb"],
+        "peak_rss_worker_mb": res["peak_rss_worker_mb"],
+    }
+    return row
+
+
+def _print(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

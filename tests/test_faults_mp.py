@@ -1,0 +1,211 @@
+"""Fault isolation across real processes: dead workers, rejoin, dead trainer, timeouts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import psutil
+import pytest
+import torch
+
+from asyncsync import (
+    AsyncQueue,
+    ClosedError,
+    MultiProcessWeightSyncScheme,
+    SyncTimeoutError,
+    WeightsError,
+    WorkerDiedError,
+    spawn_workers,
+)
+from tests._targets import fill_, make_model, simple_worker, trainer_process
+from tests.conftest import Cluster
+
+CTX = mp.get_context("spawn")
+
+
+def all_equal(sd: dict[str, torch.Tensor], value: float) -> bool:
+    return all(bool((t == value).all()) for t in sd.values() if t.is_floating_point())
+
+
+async def test_worker_killed_while_sender_waits_for_acks() -> None:
+    model = make_model()
+    # manual commit: the worker stages but never commits, so the sender is left waiting
+    scheme = MultiProcessWeightSyncScheme(timeout=30, commit_mode="manual")
+    scheme.init_on_sender(model=model, num_workers=2)
+    c = Cluster(scheme, model, 2, ["mlp", "mlp"])
+    try:
+        await _start_manual(c)
+        import asyncio
+
+        send = asyncio.ensure_future(scheme.send())
+        # wait until worker 1 has the update staged: the sender is now waiting for acks
+        assert (await c.probes[1].ask("wait_version", 1)) == 0
+        c.groups[1].kill(1)
+        with pytest.raises(WorkerDiedError) as info:
+            await send
+        assert info.value.worker_idx == 1
+        assert info.value.exitcode == -signal.SIGKILL
+        assert "worker 1" in str(info.value) and "-9" in str(info.value)
+        stats = scheme.statistics()
+        assert stats.worker(1).state == "dead" and stats.worker(1).exitcode == -9
+        # the living worker is unaffected: commit its staged update
+        assert (await c.probes[0].ask("commit"))[1] == 1
+        # with on_worker_error="raise" a send that targets the dead worker fails at once
+        with pytest.raises(WorkerDiedError):
+            await scheme.send()
+        assert scheme.version == 1  # nothing was sent
+    finally:
+        await _close_manual(c)
+
+
+async def _start_manual(c: Cluster) -> None:
+    """Like Cluster.start, but connect() needs the workers to commit the initial weights."""
+    import asyncio
+
+    ends = [CTX.Pipe() for _ in range(c.n)]
+    from tests.conftest import Probe
+    from tests._targets import probe_worker
+
+    c.probes = [Probe(a) for a, _ in ends]
+    c.groups = []
+    for i, (_, b) in enumerate(ends):
+        g = spawn_workers(probe_worker, worker_ids=[i], args=(c.scheme, b, c.kinds[i], c.opts), scheme=c.scheme)
+        g.start()
+        b.close()
+        c.groups.append(g)
+    connect = asyncio.ensure_future(c.scheme.connect())
+    for p in c.probes:
+        assert (await p.ask("wait_version", 0)) == -1  # staged, not committed yet
+        pending, committed, version = await p.ask("commit")
+        assert (pending, committed, version) == (True, 0, 0)
+    await connect
+
+
+async def _close_manual(c: Cluster) -> None:
+    await c.scheme.aclose()
+    for g in c.groups:
+        await g.aclose(grace=5.0)
+    for p in c.probes:
+        await p.q.aclose()
+
+
+async def test_manual_commit_timeout_names_the_silent_worker() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30, commit_mode="manual")
+    scheme.init_on_sender(model=model, num_workers=2)
+    c = Cluster(scheme, model, 2, ["mlp", "mlp"])
+    try:
+        await _start_manual(c)
+        import asyncio
+
+        send = asyncio.ensure_future(scheme.send(timeout=30))
+        await c.probes[0].ask("wait_version", 1)
+        assert (await c.probes[0].ask("commit"))[1] == 1
+        await c.probes[1].ask("wait_version", 1)
+        send.cancel()  # worker 1 has it staged and never commits
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        with pytest.raises(SyncTimeoutError) as info:
+            await scheme.wait_async(timeout=0.2)
+        assert info.value.pending == {1: 0}
+        assert "worker 1 (at version 0)" in str(info.value)
+        assert isinstance(info.value, TimeoutError)
+        assert (await c.probes[1].ask("commit"))[1] == 1
+        await scheme.wait_async()
+    finally:
+        await _close_manual(c)
+
+
+async def test_skip_mode_rejoin_gets_latest_weights() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30, on_worker_error="skip")
+    scheme.init_on_sender(model=model, num_workers=2)
+    async with spawn_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as group:
+        async with scheme:
+            group.kill(1)
+            await scheme.sender.wait_dead(1, timeout=10)
+            fill_(model, 9.0)
+            v = await scheme.send()  # goes on to the living worker
+            assert scheme.statistics().worker(0).applied_version == v
+            assert scheme.statistics().worker(1).state == "dead"
+            await group.restart(1)  # a replacement attaches, gets the latest weights
+            assert scheme.statistics().worker(1).applied_version == v
+            assert scheme.statistics().worker(1).state == "connected"
+            fill_(model, 10.0)
+            v2 = await scheme.send()
+        results = await group.join(timeout=30)
+    assert results == {0: v2, 1: v2}
+
+
+async def test_worker_killed_before_connect_is_named() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=model, num_workers=2)
+    group = spawn_workers(simple_worker, 2, args=(scheme,), scheme=scheme)
+    group.start()
+    try:
+        group.kill(0)
+        with pytest.raises(WorkerDiedError, match="worker 0"):
+            await scheme.connect()
+    finally:
+        await scheme.aclose()
+        await group.aclose()
+
+
+async def test_trainer_killed_workers_notice_and_keep_weights() -> None:
+    a, b = CTX.Pipe()
+    q: AsyncQueue[tuple[object, ...]] = AsyncQueue(a)
+    group = spawn_workers(trainer_process, 1, args=(b,))
+    group.start()
+    worker_pid = None
+    try:
+        b.close()
+        msgs = {}
+        while "trainer-ready" not in msgs:
+            m = await q.get(timeout=60)
+            msgs[m[0]] = m
+        worker_pid = msgs["worker-pid"][1]
+        version = msgs["trainer-ready"][1]
+        os.kill(group.processes[0].pid, signal.SIGKILL)
+        done = await q.get(timeout=30)
+        assert done[0] == "worker-done"
+        outcome, kept_version, lo, hi = done[1:]
+        assert outcome.startswith("SenderDiedError"), outcome
+        assert kept_version == version and lo == hi == 6.0
+    finally:
+        await group.aclose(grace=0)
+        await q.aclose()
+        if worker_pid is not None:
+            try:
+                proc = psutil.Process(worker_pid)
+                proc.wait(timeout=10)
+            except psutil.NoSuchProcess:
+                pass
+
+
+async def test_bad_input_and_calls_after_close() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(check_finite=True, timeout=30)
+    scheme.init_on_sender(model=model, num_workers=1)
+    async with spawn_workers(simple_worker, 1, args=(scheme,), scheme=scheme) as group:
+        async with scheme:
+            sd = {k: t.clone() for k, t in model.state_dict().items()}
+            sd["0.bias"][3] = float("nan")
+            with pytest.raises(WeightsError, match="NaN or inf in '0.bias'"):
+                await scheme.send(weights=sd)
+            meta = {k: t.to("meta") for k, t in model.state_dict().items()}
+            with pytest.raises(WeightsError, match="meta device"):
+                await scheme.send(weights=meta)
+            with pytest.raises(WeightsError, match="no parameters"):
+                await scheme.send(weights=torch.nn.ReLU())
+            with pytest.raises(ValueError, match="quorum"):
+                await scheme.wait_async(quorum=2)
+            assert scheme.version == 0
+        await group.join(timeout=30)
+    with pytest.raises(ClosedError):
+        await scheme.send()
+    with pytest.raises(ClosedError):
+        await scheme.wait_async()
+    await scheme.aclose()  # idempotent
