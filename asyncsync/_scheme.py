@@ -390,17 +390,28 @@ class MultiProcessWeightSyncScheme:
 
     # sender coroutines -------------------------------------------------------
 
-    async def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None = _DEFAULT) -> int:
+    async def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        partial: bool = False,
+        timeout: float | None = _DEFAULT,
+    ) -> int:
         """Push weights (None: read the configured source) and, if ``sync``, wait for the acks.
 
         *weights* may be an ``nn.Module``, a TensorDict or a state dict; *worker_ids* an
-        int or a list (None: every worker). Returns the version number of this send.
+        int or a list (None: every worker). With *partial*, *weights* may hold a subset
+        of the keys (``td.select(...)``); the rest keep their values on each worker.
+        Returns the version number of this send.
         """
-        return await self.sender.send(weights, worker_ids, timeout=timeout)
+        return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 
-    async def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> int:
+    async def send_async(
+        self, weights: Any = None, worker_ids: int | Iterable[int] | None = None, *, partial: bool = False
+    ) -> int:
         """Push weights without waiting for acks; returns the version (see :meth:`wait_async`)."""
-        return await self.sender.send_async(weights, worker_ids)
+        return await self.sender.send_async(weights, worker_ids, partial=partial)
 
     async def wait_async(
         self,

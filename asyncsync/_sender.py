@@ -23,6 +23,7 @@ import torch
 
 from ._errors import (
     BrokenChannelError,
+    WeightsError,
     ClosedError,
     SyncTimeoutError,
     WorkerDiedError,
@@ -211,19 +212,30 @@ class Sender:
         await self.wait_async(version=version, timeout=timeout, what="connect")
         return version
 
-    async def send(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None, *, timeout: float | None | object = ...) -> int:
+    async def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        partial: bool = False,
+        timeout: float | None | object = ...,
+    ) -> int:
         """Publish *weights*; with ``sync`` wait until every targeted worker applied them."""
         targets = self._targets(worker_ids)
-        version = await self.send_async(weights, targets)
+        version = await self.send_async(weights, targets, partial=partial)
         if self.sync:
             await self.wait_async(version=version, worker_ids=targets, timeout=timeout, what=f"send of version {version}")
         return version
 
-    async def send_async(self, weights: Any = None, worker_ids: int | Iterable[int] | None = None) -> int:
+    async def send_async(
+        self, weights: Any = None, worker_ids: int | Iterable[int] | None = None, *, partial: bool = False
+    ) -> int:
         """Copy *weights* into shared memory and publish them; return the new version.
 
         Returns once the snapshot is taken and the instruction is handed to every
         targeted worker; acks are collected in the background (see :meth:`wait_async`).
+        With *partial*, *weights* may hold a subset of the keys; the others keep the
+        values each target last received.
         """
         self._check_running()
         targets = self._targets(worker_ids)
@@ -234,16 +246,18 @@ class Sender:
                     raise w.death
         groups = self._group(weights, targets)
         for flat, _ in groups:
-            validate(flat, self._source_layout, check_finite=self.check_finite)
+            validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite)
+            if not flat:
+                raise WeightsError("the weights hold no tensors")
         assert self._send_lock is not None
         async with self._send_lock:
             self._check_running()
             written: list[tuple[Slot, list[int]]] = []
             try:
-                for flat, members in groups:
+                for flat, members, base in self._split_partial(groups):
                     slot = await self._acquire_slot()
                     written.append((slot, members))
-                    await self._write(slot, flat)
+                    await self._write(slot, flat, base)
             except BaseException:
                 for slot, _ in written:
                     if not slot.writing_elsewhere:
@@ -429,6 +443,24 @@ class Sender:
             groups[key][1].append(i)
         return list(groups.values())
 
+    def _split_partial(
+        self, groups: list[tuple[Mapping[str, torch.Tensor], list[int]]]
+    ) -> list[tuple[Mapping[str, torch.Tensor], list[int], Slot | None]]:
+        """A partial update is completed from the slot each target last received."""
+        out: list[tuple[Mapping[str, torch.Tensor], list[int], Slot | None]] = []
+        for flat, members in groups:
+            if len(flat) == len(self._source_layout.specs):
+                out.append((flat, members, None))
+                continue
+            by_base: dict[int | None, list[int]] = {}
+            for i in members:
+                by_base.setdefault(self._workers[i].latest_slot, []).append(i)
+            if None in by_base:
+                raise WeightsError(f"a partial update needs full weights first; worker(s) {by_base[None]} have none")
+            for base, ids in by_base.items():
+                out.append((flat, ids, self._pool.get(base)))  # type: ignore[arg-type]
+        return out
+
     async def _acquire_slot(self) -> Slot:
         limit = self.timeout
         try:
@@ -453,11 +485,12 @@ class Sender:
         in_use = {s for w in self._workers.values() for s in w.slots_in_use() if s is not None}
         self._pool.release_unused(in_use)
 
-    async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor]) -> None:
+    async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: Slot | None = None) -> None:
         views = self._pool.views(slot)
         keys = self._layout.keys
         dst = [views[k] for k in keys]
-        src = [flat[k].detach() for k in keys]
+        base_views = self._pool.views(base) if base is not None else {}
+        src = [flat[k].detach() if k in flat else base_views[k] for k in keys]
         t0 = time.perf_counter()
         if self._layout.nbytes < _THREAD_COPY_BYTES:
             _copy_into(dst, src)

@@ -131,7 +131,7 @@ class WorkerGroup:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc_type is None:
+        if exc_type is None and not self._closed:
             try:
                 await self.join(timeout=self.join_timeout)
             finally:
@@ -231,6 +231,11 @@ class WorkerGroup:
             if self._started_manager and aiomultiprocess.core._manager is not None:
                 manager, aiomultiprocess.core._manager = aiomultiprocess.core._manager, None
                 manager.shutdown()
+                # The Namespace proxies our processes hold keep the manager object alive;
+                # release its process handle's pipes now rather than at interpreter exit.
+                process = getattr(manager, "_process", None)
+                if process is not None:
+                    process.close()
 
 
 def spawn_workers(

@@ -74,6 +74,10 @@ async def probe_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, ct
                 stop_forward.set()
                 assert forward is not None
                 await q.put(await forward)
+            elif cmd == "ptrs":
+                await q.put({k: p.data_ptr() for k, p in model.named_parameters()})
+            elif cmd == "dtypes":
+                await q.put({k: str(p.dtype) for k, p in model.state_dict().items()})
             elif cmd == "updates":
                 await q.put(list(updates))
             elif cmd == "stats":

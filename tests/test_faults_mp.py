@@ -155,6 +155,7 @@ async def test_worker_killed_before_connect_is_named() -> None:
 
 
 async def test_trainer_killed_workers_notice_and_keep_weights() -> None:
+    shm_before = set(os.listdir("/dev/shm"))
     a, b = CTX.Pipe()
     q: AsyncQueue[tuple[object, ...]] = AsyncQueue(a)
     group = spawn_workers(trainer_process, 1, args=(b,))
@@ -174,6 +175,7 @@ async def test_trainer_killed_workers_notice_and_keep_weights() -> None:
         outcome, kept_version, lo, hi = done[1:]
         assert outcome.startswith("SenderDiedError"), outcome
         assert kept_version == version and lo == hi == 6.0
+        assert set(os.listdir("/dev/shm")) == shm_before  # memfd slots die with their users
     finally:
         await group.aclose(grace=0)
         await q.aclose()
