@@ -43,6 +43,13 @@ def _version(module: str) -> str | None:
     return str(getattr(mod, "__version__", "unknown"))
 
 
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch
@@ -59,6 +66,7 @@ def machine_info() -> dict[str, Any]:
         "torchrl": _version("torchrl"),
         "asyncsync": _version("asyncsync"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "loadavg": _loadavg(),
         "argv": sys.argv[1:],
     }
 
@@ -131,13 +139,14 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     lag = [r for r in rows if r.get("kind") == "loop_lag"]
     if lag:
         parts.append(
-            "Worker event-loop lag while updates land (1 ms ticker on the worker's loop):\n\n"
+            "Worker event-loop lag while updates land (1 ms ticker on the worker's loop; references: the same ticker while the trainer sleeps, and while it only perturbs and copies its weights without sending):\n\n"
             + _table(
-                ["mode", "commit", "params", "workers", "median send ms", "send->commit ms", "commit on loop ms", "loop lag max ms", "loop lag p99 ms"],
+                ["mode", "commit", "params", "workers", "median send ms", "send->commit ms", "commit on loop ms", "loop lag max ms", "loop lag p99 ms", "ref: idle max ms", "ref: trainer copy only max ms"],
                 [
                     [
                         r["mode"], r["commit"], r["params"], str(r["workers"]), _f(r["median_ms"]), _f(r["send_to_commit_ms"]),
                         _f(r["worker_commit_ms"], 3), _f(r["loop_lag_max_ms"]), _f(r["loop_lag_p99_ms"]),
+                        _f(r.get("loop_lag_idle_max_ms")), _f(r.get("loop_lag_copy_max_ms")),
                     ]
                     for r in lag
                 ],

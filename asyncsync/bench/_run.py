@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import gc
 import math
 import os
 import shutil
@@ -277,6 +278,8 @@ async def run_asyncsync(
         try:
             await scheme.connect()
             for step in range(warmup + repeats):
+                if step == warmup and tick:  # steady state: every slot mapped by now
+                    out["baseline"] = await _lag_baselines(model, repeats, 1000)
                 perturb_(model, step)
                 if step == warmup:
                     out["rss_before_mb"] = _rss_mb()
@@ -312,18 +315,53 @@ async def run_asyncsync(
     return out
 
 
-def _loop_lag(res: dict[str, Any]) -> dict[str, float]:
-    """Max ticker gap beyond TICK_S, and send-to-commit times, over the timed sends."""
-    start, end = res["t0"][0], res["t1"][-1]
-    lag_max = 0.0
+async def _lag_baselines(model: nn.Module, repeats: int, step0: int) -> dict[str, list[tuple[float, float]]]:
+    """Windows for the loop-lag references, before the timed sends.
+
+    ``idle``: the trainer sleeps. ``copy``: the trainer does its own part of a send
+    without sending (``perturb_``, then one copy of the weights into a touched buffer,
+    in a thread as the sender does): what the machine alone imposes on the worker.
+    """
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    await asyncio.sleep(0.5)
+    windows: dict[str, list[tuple[float, float]]] = {"idle": [(t0, time.perf_counter())], "copy": []}
+    src = [p.detach() for p in model.parameters()]
+    dst = [torch.zeros_like(t) for t in src]
+    for k in range(repeats):
+        perturb_(model, step0 + k)
+        a = time.perf_counter()
+        await loop.run_in_executor(None, torch._foreach_copy_, dst, src)
+        windows["copy"].append((a, time.perf_counter()))
+    del dst
+    return windows
+
+
+def _max_gap(ticks: Sequence[float], windows: Sequence[tuple[float, float]]) -> list[float]:
+    """Lag (ms beyond TICK_S) of every ticker sleep that began inside one of *windows*.
+
+    (A stall that began before a window, e.g. the previous send's, is not counted in it;
+    the sleep in progress when a window opens is, within two ticks.)
+    """
     lags: list[float] = []
-    for w in res["workers"]:
-        ticks = w["ticks"]
-        for a, b in zip(ticks, ticks[1:]):
-            if b >= start and a <= end:  # this sleep overlapped the timed sends
-                lag = max(0.0, (b - a) - TICK_S) * 1e3
-                lags.append(lag)
-                lag_max = max(lag_max, lag)
+    i = 0
+    for a, b in zip(ticks, ticks[1:]):
+        while i < len(windows) and windows[i][1] < a:
+            i += 1
+        if i < len(windows) and a >= windows[i][0] - 2 * TICK_S:
+            lags.append(max(0.0, (b - a) - TICK_S) * 1e3)
+    return lags
+
+
+def _loop_lag(res: dict[str, Any]) -> dict[str, Any]:
+    """Max ticker gap beyond TICK_S while sends are in flight, references, send-to-commit."""
+    sends = list(zip(res["t0"], res["t1"]))
+    lags = [lag for w in res["workers"] for lag in _max_gap(w["ticks"], sends)]
+    lag_max = max(lags, default=0.0)
+    base: dict[str, float] = {}
+    for name, windows in res.get("baseline", {}).items():
+        ref = [lag for w in res["workers"] for lag in _max_gap(w["ticks"], windows)]
+        base[f"loop_lag_{name}_max_ms"] = max(ref, default=float("nan"))
     sent_at = dict(zip(res["versions"], res["t0"]))
     to_commit: list[float] = []
     for w in res["workers"]:
@@ -333,7 +371,8 @@ def _loop_lag(res: dict[str, Any]) -> dict[str, float]:
     return {
         "loop_lag_max_ms": lag_max,
         "loop_lag_p99_ms": _percentile(lags, 0.99) if lags else float("nan"),
-        "ticks": float(len(lags)),
+        **base,
+        "ticks": len(lags),
         "send_to_commit_ms": statistics.median(to_commit) if to_commit else float("nan"),
         "send_to_commit_max_ms": max(to_commit) if to_commit else float("nan"),
     }
@@ -415,11 +454,13 @@ def run_rows(
                         row = _loop_lag_row(mode, commit, big, n_params, n_tensors, nw, repeats)
                         rows.append(row)
                         say(
-                            f"loop-lag {mode:>6} {big:>8} x{nw}: lag max {row['loop_lag_max_ms']:.2f} ms, send->commit "
+                            f"loop-lag {mode:>6} {big:>8} x{nw}: lag max {row['loop_lag_max_ms']:.2f} ms (idle {row.get('loop_lag_idle_max_ms', float('nan')):.2f}, "
+                            f"copy only {row.get('loop_lag_copy_max_ms', float('nan')):.2f}), send->commit "
                             f"{row['send_to_commit_ms']:.1f} ms, median send {row['median_ms']:.1f} ms"
                         )
     finally:
         torch.set_num_threads(prev_threads)
+        _collect()
     return rows
 
 
@@ -443,7 +484,14 @@ def _shared_manager() -> Iterable[None]:
                 manager.shutdown()
 
 
+def _collect() -> None:
+    """Free the last row's model and buffers now: a closed sender sits in a reference
+    cycle (its done reader tasks) until the cyclic collector runs."""
+    gc.collect()
+
+
 def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, workers: int, repeats: int) -> dict[str, Any]:
+    _collect()
     row: dict[str, Any] = {"kind": "latency", "transport": transport, "params": spec, "n_params": n_params, "n_tensors": n_tensors, "workers": workers}
     if transport in TORCHRL_TRANSPORTS:
         from asyncsync.bench._torchrl import run_torchrl
@@ -476,6 +524,7 @@ def _add_torchrl_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def _memory_row(transport: str, spec: str, n_params: int, n_tensors: int, workers: int) -> dict[str, Any]:
+    _collect()
     res = asyncio.run(run_asyncsync(transport, n_params, n_tensors, workers, MEMORY_SENDS, probe=True))
     timed = set(res["versions"])
     w_rss = [[rss for v, _t, rss in w["commits"] if v in timed] for w in res["workers"]]
@@ -507,6 +556,7 @@ def _memory_row(transport: str, spec: str, n_params: int, n_tensors: int, worker
 
 
 def _loop_lag_row(mode: str, commit: str, spec: str, n_params: int, n_tensors: int, workers: int, repeats: int) -> dict[str, Any]:
+    _collect()
     res = asyncio.run(run_asyncsync("shm", n_params, n_tensors, workers, repeats, commit=commit, probe=True, tick=True))
     row: dict[str, Any] = {
         "kind": "loop_lag",

@@ -1,0 +1,140 @@
+"""Soak test: sends for minutes with random worker kills, restarts and cancellations.
+
+Run: ``python -m asyncsync.soak --minutes 2``. The last line reads
+``sends=N faults=N detected=N max_detect_ms=X leaks=N``; the exit status is non-zero if a
+fault went undetected, a worker ended on the wrong weights, or anything leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import random
+import sys
+import threading
+import time
+from multiprocessing import resource_tracker
+
+import torch
+from torch import nn
+
+from ._errors import AsyncSyncError
+from ._scheme import MultiProcessWeightSyncScheme
+from ._workers import spawn_workers
+
+__all__ = ["main", "soak"]
+
+
+def _model(n_params: int) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Module()
+    for i in range(8):
+        m.register_parameter(f"p{i}", nn.Parameter(torch.zeros(n_params // 8)))
+    return m
+
+
+async def _soak_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_params: int) -> int:
+    torch.set_num_threads(1)
+    model = _model(n_params)
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
+    async with scheme:
+        await scheme.wait_stopped()
+    values = torch.cat([p.detach() for p in model.parameters()])
+    if float(values.min()) != float(values.max()):
+        raise AssertionError(f"worker {worker_idx} ended on mixed weights")
+    return int(values[0])
+
+
+def _resources() -> tuple[set[str], set[str], int]:
+    resource_tracker.ensure_running()
+    gc.collect()
+    return set(os.listdir("/proc/self/fd")), set(os.listdir("/dev/shm")), threading.active_count()
+
+
+async def soak(minutes: float = 2.0, workers: int = 2, n_params: int = 1_000_000, seed: int = 0, kill_every: float = 3.0) -> dict[str, float]:
+    """Run the soak; return its counters (see the module docstring)."""
+    rng = random.Random(seed)
+    fds0, shm0, threads0 = _resources()
+    model = _model(n_params)
+    scheme = MultiProcessWeightSyncScheme(timeout=20, on_worker_error="skip")
+    scheme.init_on_sender(model=model, num_workers=workers)
+    counters = {"sends": 0, "faults": 0, "detected": 0, "max_detect_ms": 0.0, "cancelled": 0, "leaks": 0, "wrong": 0}
+    deadline = time.monotonic() + minutes * 60
+    next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
+    value = 0.0
+    group = spawn_workers(_soak_worker, workers, args=(scheme, n_params), scheme=scheme)
+    try:
+        group.start()
+        await scheme.connect()
+        while time.monotonic() < deadline:
+            value += 1.0
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(value)
+            action = rng.random()
+            if action < 0.2:  # a send cancelled at a random point
+                task = asyncio.ensure_future(scheme.send())
+                for _ in range(rng.randint(0, 8)):
+                    await asyncio.sleep(0)
+                task.cancel()
+                try:
+                    await task
+                    counters["sends"] += 1
+                except asyncio.CancelledError:
+                    counters["cancelled"] += 1
+            elif action < 0.4:
+                await scheme.send_async()
+                await scheme.wait_async()
+                counters["sends"] += 1
+            else:
+                await scheme.send()
+                counters["sends"] += 1
+            if time.monotonic() >= next_kill:
+                victim = rng.randrange(workers)
+                t0 = time.perf_counter()
+                group.kill(victim)
+                counters["faults"] += 1
+                try:
+                    await scheme.sender.wait_dead(victim, timeout=5.0)
+                    counters["detected"] += 1
+                    counters["max_detect_ms"] = max(counters["max_detect_ms"], (time.perf_counter() - t0) * 1e3)
+                except AsyncSyncError as exc:
+                    print(f"fault not detected: {exc}", file=sys.stderr)
+                await group.restart(victim)
+                next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
+            if counters["sends"] % 200 == 0:
+                print(f"... sends={counters['sends']} faults={counters['faults']}", file=sys.stderr)
+        final = await scheme.send()
+        applied = scheme.sender.applied_versions()
+        counters["wrong"] = sum(v != final for v in applied.values())
+        await scheme.aclose()
+        results = await group.join(timeout=60)
+        counters["wrong"] += sum(r != int(value) for r in results.values())
+    finally:
+        await scheme.aclose()
+        await group.aclose()
+    fds1, shm1, threads1 = _resources()
+    counters["leaks"] = len(fds1 ^ fds0) + len(shm1 ^ shm0) + abs(threads1 - threads0)
+    return counters
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m asyncsync.soak", description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=2.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--params", type=int, default=1_000_000)
+    parser.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between worker kills")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    c = asyncio.run(soak(args.minutes, args.workers, args.params, args.seed, args.kill_every))
+    print(f"cancelled={c['cancelled']} wrong_final_weights={c['wrong']}")
+    print(f"sends={c['sends']} faults={c['faults']} detected={c['detected']} max_detect_ms={c['max_detect_ms']:.1f} leaks={c['leaks']}")
+    ok = c["detected"] == c["faults"] and c["leaks"] == 0 and c["wrong"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
