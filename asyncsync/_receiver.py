@@ -240,7 +240,8 @@ class Receiver:
             elif isinstance(msg, MapSlots):
                 fds = self._queue.recv_fds(len(msg.slot_ids))
                 for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
-                    self._segments[sid] = Segment.attach(fd, nbytes)
+                    # Mapping pre-faults every page: off the loop for large slots.
+                    self._segments[sid] = await self._stager_for_setup().run(nbytes, Segment.attach, fd, nbytes)
                     if msg.transient:
                         self._transient.add(sid)
             elif isinstance(msg, Receive) and i == newest:
@@ -284,6 +285,11 @@ class Receiver:
                 with torch.no_grad():
                     t.data = t.data.to(device)
         self._targets = {k: targets[k] for k in wire}
+
+    def _stager_for_setup(self) -> Stager:
+        if self._stager is None:
+            self._stager = Stager(self._device)
+        return self._stager
 
     def _zero_copy(self) -> bool:
         assert self._layout is not None

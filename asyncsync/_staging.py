@@ -9,12 +9,15 @@ from the loop: the loop thread never calls ``torch.cuda.synchronize()``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["Stager", "copy_tensors"]
+
+T = TypeVar("T")
 
 THREAD_BYTES = 1 << 20
 _POLL_S = 0.0002
@@ -43,19 +46,23 @@ class Stager:
         """Copy *src* into *dst* off the event loop; returns once the data is in place."""
         if self.device.type == "cuda":
             await self._copy_cuda(dst, src)
-        elif nbytes < THREAD_BYTES:
-            copy_tensors(dst, src)
         else:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-stage")
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, copy_tensors, dst, src)
-            # The thread cannot be interrupted: even when cancelled, wait for it to finish
-            # so no buffer is being written once this coroutine has returned or raised.
-            try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                await asyncio.wait([fut])
-                raise
+            await self.run(nbytes, copy_tensors, dst, src)
+
+    async def run(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: inline when small, in the staging thread when *nbytes* is large."""
+        if nbytes < THREAD_BYTES:
+            return fn(*args)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-stage")
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        # The thread cannot be interrupted: even when cancelled, wait for it to finish
+        # so no buffer is being written once this coroutine has returned or raised.
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
 
     def pin(self, buffer: torch.Tensor) -> None:
         """Page-lock a shared CPU buffer so host-to-device copies are truly asynchronous."""

@@ -92,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    load = machine.get("loadavg")
+    if load and machine.get("cores") and load[0] > 0.5 * machine["cores"]:
+        print(f"# warning: load average {load[0]:.2f} on {machine['cores']} cores: other processes are busy, numbers will be noisy", file=sys.stderr)
     rows = run_benchmark(
         transports, args.params, args.workers, args.repeats, loop_lag=args.loop_lag, memory=args.memory, progress=True
     )
