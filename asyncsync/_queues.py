@@ -159,7 +159,7 @@ class AsyncQueue(Generic[T]):
         self._closed = True
         if self._conn is None:
             q = self._endpoint
-            q.close()  # type: ignore[union-attr]
+            q.close()
             q.join_thread()  # type: ignore[union-attr]
         else:
             self._conn.close()

@@ -280,7 +280,7 @@ class Receiver:
         if problems:
             self._layout_error = "payload does not fit the model: " + "; ".join(problems[:16])
             return
-        for key, t in targets.items():
+        for t in targets.values():
             if t.device != device:
                 with torch.no_grad():
                     t.data = t.data.to(device)

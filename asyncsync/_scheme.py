@@ -32,7 +32,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._errors import ClosedError
 from ._layout import Layout
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import OnWorkerError, Sender
@@ -194,7 +193,7 @@ class MultiProcessWeightSyncScheme:
             source_ids = {i: id(params_map[i]) for i in ids}
 
             def default_source(i: int) -> Mapping[str, torch.Tensor]:
-                return to_flat(params_map[i])  # type: ignore[index]
+                return to_flat(params_map[i])
 
             def source_key(i: int) -> int:
                 return source_ids[i]

@@ -23,9 +23,9 @@ import torch
 
 from ._errors import (
     BrokenChannelError,
-    WeightsError,
     ClosedError,
     SyncTimeoutError,
+    WeightsError,
     WorkerDiedError,
     WorkerError,
 )
@@ -630,6 +630,6 @@ class Sender:
         if self._state == "running":
             # A replacement for this index can attach through the new channel.
             self._new_channel(w)
-            w.tasks = [asyncio.get_running_loop().create_task(self._read_loop(w, w.queue))]  # type: ignore[arg-type]
+            w.tasks = [asyncio.get_running_loop().create_task(self._read_loop(w, w.queue))]
         self._release_unused()
         self._notify()

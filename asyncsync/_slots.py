@@ -8,10 +8,10 @@ instruction, as torch's shared-memory pickling does; it is freed once released.
 
 from __future__ import annotations
 
+import torch
+
 from ._layout import Layout
 from ._shm import Segment
-
-import torch
 
 __all__ = ["Slot", "SlotPool"]
 

@@ -71,31 +71,31 @@ class Stager:
         ptr = buffer.data_ptr()
         if ptr in self._registered:
             return
-        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)  # type: ignore[no-untyped-call]
         if int(err) == 0:
             self._registered[ptr] = buffer.numel()
 
     def unpin(self, buffer: torch.Tensor) -> None:
         ptr = buffer.data_ptr()
         if self._registered.pop(ptr, None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
 
     async def _copy_cuda(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
+            self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         stream = self._stream
         # The staging buffers may still be read by kernels queued on the compute stream.
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             copy_tensors(dst, src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        while not event.query():
+        while not event.query():  # type: ignore[no-untyped-call]
             await asyncio.sleep(_POLL_S)
 
     def close(self) -> None:
         for ptr in list(self._registered):
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
         self._registered.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

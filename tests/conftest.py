@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -56,18 +57,39 @@ class Cluster:
         self.probes: list[Probe] = []
         self.group: Any = None
 
-    async def start(self) -> Cluster:
+    def spawn(self) -> None:
+        """Start the probe workers (one group each, so each gets its own control pipe)."""
         ends = [CTX.Pipe() for _ in range(self.n)]
         self.probes = [Probe(a) for a, _ in ends]
-        # one group per worker so each gets its own control pipe end
         self.groups = []
         for i, (_, b) in enumerate(ends):
             g = spawn_workers(probe_worker, worker_ids=[i], args=(self.scheme, b, self.kinds[i], self.opts), scheme=self.scheme)
             g.start()
             b.close()
             self.groups.append(g)
+
+    async def start(self) -> Cluster:
+        self.spawn()
         await self.scheme.connect()
         return self
+
+    async def start_manual(self) -> Cluster:
+        """For commit_mode="manual": connect() needs each worker to commit version 0."""
+        self.spawn()
+        connect = asyncio.ensure_future(self.scheme.connect())
+        for p in self.probes:
+            assert (await p.ask("wait_version", 0)) == -1  # staged, not committed yet
+            assert await p.ask("commit") == (True, 0, 0)
+        await connect
+        return self
+
+    async def kill_close(self) -> None:
+        """Close without the stop handshake (some workers may be dead or stuck)."""
+        await self.scheme.aclose()
+        for g in self.groups:
+            await g.aclose(grace=5.0)
+        for p in self.probes:
+            await p.q.aclose()
 
     async def state(self, i: int) -> tuple[int, dict[str, torch.Tensor]]:
         return await self.probes[i].ask("state")  # type: ignore[no-any-return]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -36,9 +37,7 @@ async def test_worker_killed_while_sender_waits_for_acks() -> None:
     scheme.init_on_sender(model=model, num_workers=2)
     c = Cluster(scheme, model, 2, ["mlp", "mlp"])
     try:
-        await _start_manual(c)
-        import asyncio
-
+        await c.start_manual()
         send = asyncio.ensure_future(scheme.send())
         # wait until worker 1 has the update staged: the sender is now waiting for acks
         assert (await c.probes[1].ask("wait_version", 1)) == 0
@@ -57,38 +56,7 @@ async def test_worker_killed_while_sender_waits_for_acks() -> None:
             await scheme.send()
         assert scheme.version == 1  # nothing was sent
     finally:
-        await _close_manual(c)
-
-
-async def _start_manual(c: Cluster) -> None:
-    """Like Cluster.start, but connect() needs the workers to commit the initial weights."""
-    import asyncio
-
-    ends = [CTX.Pipe() for _ in range(c.n)]
-    from tests.conftest import Probe
-    from tests._targets import probe_worker
-
-    c.probes = [Probe(a) for a, _ in ends]
-    c.groups = []
-    for i, (_, b) in enumerate(ends):
-        g = spawn_workers(probe_worker, worker_ids=[i], args=(c.scheme, b, c.kinds[i], c.opts), scheme=c.scheme)
-        g.start()
-        b.close()
-        c.groups.append(g)
-    connect = asyncio.ensure_future(c.scheme.connect())
-    for p in c.probes:
-        assert (await p.ask("wait_version", 0)) == -1  # staged, not committed yet
-        pending, committed, version = await p.ask("commit")
-        assert (pending, committed, version) == (True, 0, 0)
-    await connect
-
-
-async def _close_manual(c: Cluster) -> None:
-    await c.scheme.aclose()
-    for g in c.groups:
-        await g.aclose(grace=5.0)
-    for p in c.probes:
-        await p.q.aclose()
+        await c.kill_close()
 
 
 async def test_manual_commit_timeout_names_the_silent_worker() -> None:
@@ -97,9 +65,7 @@ async def test_manual_commit_timeout_names_the_silent_worker() -> None:
     scheme.init_on_sender(model=model, num_workers=2)
     c = Cluster(scheme, model, 2, ["mlp", "mlp"])
     try:
-        await _start_manual(c)
-        import asyncio
-
+        await c.start_manual()
         send = asyncio.ensure_future(scheme.send(timeout=30))
         await c.probes[0].ask("wait_version", 1)
         assert (await c.probes[0].ask("commit"))[1] == 1
@@ -115,7 +81,7 @@ async def test_manual_commit_timeout_names_the_silent_worker() -> None:
         assert (await c.probes[1].ask("commit"))[1] == 1
         await scheme.wait_async()
     finally:
-        await _close_manual(c)
+        await c.kill_close()
 
 
 async def test_skip_mode_rejoin_gets_latest_weights() -> None:

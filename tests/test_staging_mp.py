@@ -11,7 +11,6 @@ from tensordict import TensorDict
 from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
 from tests._targets import fill_, make_model
 from tests.conftest import Cluster, assert_same
-from tests.test_faults_mp import _close_manual, _start_manual
 
 
 async def test_manual_commit_and_quorum() -> None:
@@ -20,7 +19,7 @@ async def test_manual_commit_and_quorum() -> None:
     scheme.init_on_sender(model=model, num_workers=2)
     c = Cluster(scheme, model, 2, ["mlp", "mlp"])
     try:
-        await _start_manual(c)
+        await c.start_manual()
         fill_(model, 2.0)
         v = await scheme.send_async()
         for p in c.probes:  # staged on both, committed on neither
@@ -38,7 +37,7 @@ async def test_manual_commit_and_quorum() -> None:
         assert all(bool((t == 2.0).all()) for t in sd.values())
         assert (await c.probes[1].ask("commit")) == (False, None, v)  # nothing pending
     finally:
-        await _close_manual(c)
+        await c.kill_close()
 
 
 @pytest.mark.parametrize("commit", ["swap", "copy"])
