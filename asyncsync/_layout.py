@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -37,7 +38,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout:  # not slots: cached_property needs the instance dict
     """An ordered set of :class:`TensorSpec` and the total buffer size in bytes."""
 
     specs: tuple[TensorSpec, ...]
@@ -71,9 +72,14 @@ class Layout:
                 offset += numel * size
         return cls(tuple(specs), -(-offset // _ALIGN) * _ALIGN)
 
-    @property
+    @cached_property
     def keys(self) -> list[str]:
         return [s.key for s in self.specs]
+
+    @cached_property
+    def index(self) -> dict[str, TensorSpec]:
+        """``key -> spec``."""
+        return {s.key: s for s in self.specs}
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of every tensor inside *buffer* (a uint8 tensor of ``nbytes``)."""

@@ -2,7 +2,8 @@
 
 Sender -> worker: :class:`Setup` (once per connection), :class:`MapSlots` (followed by
 the slots' file descriptors), :class:`Receive` (apply the weights of ``version`` that
-sit in ``slot``), :class:`Stop`. Worker -> sender: :class:`Hello`, :class:`Ack`.
+sit in ``slot``), :class:`Stop`. Worker -> sender: :class:`Hello`, :class:`Ack`, and
+:class:`Staged` (manual commit mode).
 Every instruction names exactly the weights it refers to (slot and version), so a
 late or repeated message can never make a worker apply the wrong version.
 """
@@ -13,7 +14,7 @@ from typing import NamedTuple
 
 from ._layout import Layout
 
-__all__ = ["Ack", "Hello", "MapSlots", "Receive", "Setup", "Stop"]
+__all__ = ["Ack", "Hello", "MapSlots", "Receive", "Setup", "Staged", "Stop"]
 
 
 class Hello(NamedTuple):
@@ -68,3 +69,12 @@ class Ack(NamedTuple):
     holds: int | None = None
     stage_s: float = 0.0
     commit_s: float = 0.0
+
+
+class Staged(NamedTuple):
+    """Manual commit: ``version`` is staged (in ``holds``, or in the worker's own memory
+    when None) and waits for ``commit()``; every older version sent is released."""
+
+    worker_idx: int
+    version: int
+    holds: int | None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import math
 import queue as _queue
+import select
 import socket
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue as _MPQueue
@@ -47,6 +48,9 @@ class AsyncQueue(Generic[T]):
         if isinstance(endpoint, Connection):
             self._conn = endpoint
             self._fd = endpoint.fileno()
+            # A poll object on the one descriptor: a cheaper readiness probe than Connection.poll.
+            self._poller = select.poll()
+            self._poller.register(self._fd, select.POLLIN)
         elif isinstance(endpoint, _MPQueue):
             self._conn = None
             self._fd = endpoint._reader.fileno()  # type: ignore[attr-defined]
@@ -78,7 +82,7 @@ class AsyncQueue(Generic[T]):
             except (EOFError, OSError) as exc:
                 raise BrokenChannelError("the queue's writer is gone") from exc
         try:
-            if not self._conn.poll(0):
+            if not self._poller.poll(0):
                 raise WouldBlock
             return self._conn.recv()  # type: ignore[no-any-return]
         except (EOFError, ConnectionError) as exc:
@@ -93,13 +97,17 @@ class AsyncQueue(Generic[T]):
 
         Cancel-safe: a cancelled or timed-out ``get`` consumes nothing.
         """
+        try:
+            return self.get_nowait()
+        except WouldBlock:
+            pass
         with anyio.fail_after(math.inf if timeout is None else timeout):
             while True:
+                await anyio.wait_readable(self._fd)
                 try:
                     return self.get_nowait()
                 except WouldBlock:
                     pass
-                await anyio.wait_readable(self._fd)
 
     def put_nowait(self, item: T) -> None:
         """Send *item* at once (small control messages never wait on a pipe buffer)."""

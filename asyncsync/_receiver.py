@@ -24,7 +24,7 @@ from torch import nn
 
 from ._errors import BrokenChannelError, ClosedError, SenderDiedError, SyncTimeoutError, WouldBlock
 from ._layout import Layout
-from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Stop
+from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Staged, Stop
 from ._queues import AsyncQueue
 from ._shm import Segment
 from ._staging import Stager, copy_tensors
@@ -84,6 +84,7 @@ class Receiver:
         self._layout: Layout | None = None
         self._layout_error: str | None = None
         self._targets: dict[str, torch.Tensor] = {}
+        self._reads_slot = False
         self._spare: dict[str, torch.Tensor] | None = None
         self._device = torch.device("cpu")
         self._stager: Stager | None = None
@@ -285,6 +286,13 @@ class Receiver:
                 with torch.no_grad():
                     t.data = t.data.to(device)
         self._targets = {k: targets[k] for k in wire}
+        # Commit straight from the slot (no stage copy) when the slot holds the model's dtypes
+        # on the model's device: a pointer swap, or an in-place CPU copy.
+        self._reads_slot = self._zero_copy() or (
+            self.commit_kind == "copy"
+            and device.type == "cpu"
+            and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
+        )
 
     def _stager_for_setup(self) -> Stager:
         if self._stager is None:
@@ -292,6 +300,7 @@ class Receiver:
         return self._stager
 
     def _zero_copy(self) -> bool:
+        """CPU, same dtypes, swap commit: the model can run on the shared slot itself."""
         assert self._layout is not None
         return (
             self.commit_kind == "swap"
@@ -313,7 +322,7 @@ class Receiver:
         if views is None:
             views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
         t0 = time.perf_counter()
-        if self._zero_copy() or (self.commit_kind == "copy" and self._device.type == "cpu"):
+        if self._reads_slot:
             staged = _Staged(msg.version, views, msg.slot, 0.0, skipped)
         else:
             buffers = self._staging_buffers()
@@ -326,6 +335,7 @@ class Receiver:
             self._skipped += 1
         if self.commit_mode == "manual":
             self._pending = staged
+            self._send(Staged(self.worker_idx, staged.version, staged.holds))  # older slots go back
             self._notify()
         else:
             self._commit(staged)
@@ -340,20 +350,26 @@ class Receiver:
     def _commit(self, staged: _Staged) -> None:
         t0 = time.perf_counter()
         holds: int | None
+        targets = self._targets
+        tensors = staged.tensors
         if self.commit_kind == "swap":
-            previous = {}
             with torch.no_grad():
-                for key, t in self._targets.items():
-                    previous[key] = t.data
-                    t.data = staged.tensors[key]
+                if staged.holds is None and self._holds is None:
+                    # The model's former private buffers become the next staging area.
+                    previous = {}
+                    for key, t in targets.items():
+                        previous[key] = t.data
+                        t.data = tensors[key]
+                    self._spare = previous
+                else:
+                    for key, t in targets.items():
+                        t.data = tensors[key]
+                    if staged.holds is None:
+                        self._spare = None  # the former buffers were a shared slot's views
             holds = staged.holds
-            if staged.holds is None:
-                # The model's former buffers become the next staging area, unless they
-                # were views of a shared slot (which goes back to the sender).
-                self._spare = previous if self._holds is None else None
         else:
-            keys = list(self._targets)
-            copy_tensors([self._targets[k] for k in keys], [staged.tensors[k] for k in keys])
+            keys = list(targets)
+            copy_tensors([targets[k] for k in keys], [tensors[k] for k in keys])
             holds = None
         self._holds = holds
         self._version = staged.version
@@ -391,8 +407,11 @@ class Receiver:
             self.last_error = ack.error
             logger.warning("worker %d rejected version %d: %s", self.worker_idx, ack.version, ack.error)
             self._notify()
+        self._send(ack)
+
+    def _send(self, msg: Ack | Staged) -> None:
         try:
-            self._queue.put_nowait(ack)
+            self._queue.put_nowait(msg)
         except (BrokenChannelError, ClosedError):
             pass  # the read side notices the sender's death
 

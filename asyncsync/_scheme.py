@@ -56,7 +56,9 @@ class MultiProcessWeightSyncScheme:
             copy per send whatever the number of workers) or ``"queue"`` (a fresh
             shared-memory segment travels with every message, as with torch pickling).
         num_slots: slots allocated at connect (``"shm"``); more slots let more
-            ``send_async`` calls overlap. Memory: ``num_slots`` x model size.
+            ``send_async`` calls overlap. Memory: ``num_slots`` x model size. Default 2,
+            or 3 with ``commit_mode="manual"`` (one live, one staged, one being written,
+            so the trainer never waits for a worker's commit).
         max_slots: upper bound when workers sit on different versions (``worker_ids``
             subsets); default ``num_workers + num_slots``.
         commit: on the worker, ``"swap"`` points the parameters at the new weights (no
@@ -78,7 +80,7 @@ class MultiProcessWeightSyncScheme:
         timeout: float | None = 60.0,
         *,
         transport: Transport = "shm",
-        num_slots: int = 2,
+        num_slots: int | None = None,
         max_slots: int | None = None,
         commit: Commit = "swap",
         commit_mode: CommitMode = "auto",
@@ -100,7 +102,7 @@ class MultiProcessWeightSyncScheme:
         self.sync = sync
         self.timeout = timeout
         self.transport: Transport = transport
-        self.num_slots = num_slots
+        self.num_slots = num_slots if num_slots is not None else (3 if commit_mode == "manual" else 2)
         self.max_slots = max_slots
         self.commit_kind: Commit = commit
         self.commit_mode: CommitMode = commit_mode

@@ -13,6 +13,7 @@ import math
 import multiprocessing as mp
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -30,9 +31,10 @@ from ._errors import (
     WorkerError,
 )
 from ._layout import Layout
-from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Stop
+from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Staged, Stop
 from ._queues import AsyncQueue
 from ._slots import Slot, SlotPool
+from ._staging import copy_tensors
 from ._stats import SenderStatistics, WorkerStatistics
 from ._strategy import validate
 
@@ -77,12 +79,6 @@ class _Worker:
         yield from self.pending.values()
 
 
-def _copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    try:
-        torch._foreach_copy_(list(dst), list(src))
-    except (RuntimeError, TypeError):
-        for d, s in zip(dst, src):
-            d.copy_(s)
 
 
 class Sender:
@@ -401,6 +397,15 @@ class Sender:
                 ex.shutdown(wait=True)  # at most one copy still running
             self._pool.close()
 
+    def __del__(self) -> None:
+        # No shutdown from __del__ (it hung interpreters at exit in torchrl): just say so.
+        if getattr(self, "_state", "closed") in ("running", "closing"):
+            warnings.warn(
+                "asyncsync sender was not closed: call `await scheme.aclose()` or use `async with scheme`",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
     # ----------------------------------------------------------------- internals
 
     def _check_running(self) -> None:
@@ -490,14 +495,14 @@ class Sender:
         keys = self._layout.keys
         dst = [views[k] for k in keys]
         base_views = self._pool.views(base) if base is not None else {}
-        src = [flat[k].detach() if k in flat else base_views[k] for k in keys]
+        src = [flat[k] if k in flat else base_views[k] for k in keys]
         t0 = time.perf_counter()
         if self._layout.nbytes < _THREAD_COPY_BYTES:
-            _copy_into(dst, src)
+            copy_tensors(dst, src)
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, _copy_into, dst, src)
+            fut = asyncio.get_running_loop().run_in_executor(self._executor, copy_tensors, dst, src)
             try:
                 await asyncio.shield(fut)
             except BaseException:
@@ -550,6 +555,8 @@ class Sender:
                 msg = await queue.get()
                 if isinstance(msg, Ack):
                     self._on_ack(w, msg)
+                elif isinstance(msg, Staged):
+                    self._on_staged(w, msg)
                 elif isinstance(msg, Hello):
                     self._on_hello(w, msg)
         except BrokenChannelError:
@@ -597,6 +604,12 @@ class Sender:
             w.stage_s, w.commit_s = ack.stage_s, ack.commit_s
         else:
             w.last_error = ack.error
+        self._release_unused()
+        self._notify()
+
+    def _on_staged(self, w: _Worker, msg: Staged) -> None:
+        for old in [u for u in w.pending if u < msg.version or (u == msg.version and msg.holds is None)]:
+            del w.pending[old]
         self._release_unused()
         self._notify()
 

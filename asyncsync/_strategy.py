@@ -24,14 +24,26 @@ STRATEGIES = ("tensordict", "state_dict")
 
 
 def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers of *module* by dotted name (live tensors, no copy)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters():
-        out[name] = p
-    for name, b in module.named_buffers():
-        if b is not None:
-            out[name] = b
-    return out
+    """Parameters, then buffers, of *module* by dotted name (live tensors, no copy).
+
+    Same keys and order as ``named_parameters()`` + ``named_buffers()`` (tied tensors
+    once), in one walk over the modules: this runs on every send.
+    """
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, mod in module.named_modules():
+        dot = prefix + "." if prefix else ""
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params[dot + name] = p
+        for name, b in mod._buffers.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                buffers[dot + name] = b
+    params.update(buffers)
+    return params
 
 
 def to_flat(weights: Any) -> dict[str, torch.Tensor]:
@@ -82,7 +94,32 @@ def validate(
     who: str = "weights",
 ) -> None:
     """Raise :class:`WeightsError` unless *flat* fits *layout* (keys, shapes, dtypes, values)."""
-    expected = {s.key: s for s in layout.specs}
+    expected = layout.index
+    ok = partial or len(flat) == len(expected)
+    strided = torch.strided
+    for key, t in flat.items():  # the fast path: a few attribute reads per tensor
+        spec = expected.get(key)
+        if (
+            spec is None
+            or not isinstance(t, torch.Tensor)
+            or t.dtype != spec.dtype
+            or t.shape != spec.shape
+            or t.layout != strided
+            or t.is_meta
+        ):
+            ok = False
+            break
+    if not ok:
+        _raise_misfit(flat, layout, partial, who)
+    if check_finite:
+        bad = [k for k, t in flat.items() if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise WeightsError(f"{who} hold NaN or inf in " + ", ".join(repr(k) for k in bad[:8]))
+
+
+def _raise_misfit(flat: Mapping[str, torch.Tensor], layout: Layout, partial: bool, who: str) -> None:
+    """The slow path of :func:`validate`: say exactly what does not fit."""
+    expected = layout.index
     missing = [k for k in expected if k not in flat]
     extra = [k for k in flat if k not in expected]
     problems: list[str] = []
@@ -101,16 +138,11 @@ def validate(
             problems.append(f"{key!r} has shape {tuple(t.shape)}, expected {spec.shape}")
         if t.device.type == "meta":
             problems.append(f"{key!r} is on the meta device and holds no data")
-        if t.is_sparse or t.layout != torch.strided:
+        if t.layout != torch.strided:
             problems.append(f"{key!r} has layout {t.layout}; only dense tensors can be sent")
         if t.dtype != spec.dtype:
             problems.append(f"{key!r} has dtype {t.dtype}, expected {spec.dtype}")
-    if problems:
-        raise WeightsError(f"{who} do not fit the model: " + "; ".join(problems))
-    if check_finite:
-        bad = [k for k, t in flat.items() if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())]
-        if bad:
-            raise WeightsError(f"{who} hold NaN or inf in " + ", ".join(repr(k) for k in bad[:8]))
+    raise WeightsError(f"{who} do not fit the model: " + "; ".join(problems or ["unknown mismatch"]))
 
 
 def as_user_weights(flat: Mapping[str, torch.Tensor], strategy: Strategy) -> Any:

@@ -176,3 +176,23 @@ async def test_statistics_and_callbacks(cluster2: Cluster) -> None:
     assert updates[-1] == v and updates == sorted(updates)
     rstats = await cluster2.probes[0].ask("stats")
     assert rstats.version == v and rstats.updates == len(updates)
+
+
+async def test_fast_sender_burst_latest_wins_never_backwards(cluster2: Cluster) -> None:
+    for i in range(2):
+        assert await cluster2.probes[i].ask("forward_start") == "started"
+    first = cluster2.scheme.version + 1
+    slots = cluster2.scheme.statistics().slots
+    for k in range(30):  # no waiting: the workers fall behind and skip
+        fill_(cluster2.model, float(1000 + k))
+        await cluster2.scheme.send_async()
+    last = cluster2.scheme.version
+    await cluster2.scheme.wait_async()
+    for i in range(2):
+        report = await cluster2.probes[i].ask("forward_stop")
+        assert report["mixed"] == 0, report
+        updates = [u for u in await cluster2.probes[i].ask("updates") if u >= first]
+        assert updates == sorted(set(updates)) and updates[-1] == last
+        version, sd = await cluster2.state(i)
+        assert version == last and all(bool((t == 1029.0).all()) for t in sd.values())
+    assert cluster2.scheme.statistics().slots == slots  # no new memory however many sends are in flight

@@ -36,6 +36,15 @@ async def test_manual_commit_and_quorum() -> None:
         _, sd = await c.state(1)
         assert all(bool((t == 2.0).all()) for t in sd.values())
         assert (await c.probes[1].ask("commit")) == (False, None, v)  # nothing pending
+        # latest wins: three versions arrive while none is committed; only the newest applies
+        for k in range(3):
+            fill_(model, 5.0 + k)
+            last = await scheme.send_async()
+        for p in c.probes:
+            assert await p.ask("wait_version", last) == v  # the newest is staged
+            assert (await p.ask("commit"))[1:] == (last, last)
+            assert (await p.ask("stats")).skipped >= 2
+        await scheme.wait_async()
     finally:
         await c.kill_close()
 
