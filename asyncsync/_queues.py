@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import array
-import math
 import queue as _queue
 import select
 import socket
@@ -101,13 +100,18 @@ class AsyncQueue(Generic[T]):
             return self.get_nowait()
         except WouldBlock:
             pass
-        with anyio.fail_after(math.inf if timeout is None else timeout):
-            while True:
-                await anyio.wait_readable(self._fd)
-                try:
-                    return self.get_nowait()
-                except WouldBlock:
-                    pass
+        if timeout is None:  # the hot path of every reader: no cancel scope to set up
+            return await self._wait_and_get()
+        with anyio.fail_after(timeout):
+            return await self._wait_and_get()
+
+    async def _wait_and_get(self) -> T:
+        while True:
+            await anyio.wait_readable(self._fd)
+            try:
+                return self.get_nowait()
+            except WouldBlock:
+                pass
 
     def put_nowait(self, item: T) -> None:
         """Send *item* at once (small control messages never wait on a pipe buffer)."""

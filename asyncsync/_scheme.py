@@ -37,7 +37,7 @@ from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import OnWorkerError, Sender
 from ._slots import SlotPool
 from ._stats import ReceiverStatistics, SenderStatistics
-from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
+from ._strategy import STRATEGIES, Strategy, as_user_weights, resolve_model, to_flat
 
 __all__ = ["MultiProcessWeightSyncScheme"]
 
@@ -213,7 +213,7 @@ class MultiProcessWeightSyncScheme:
         if not first:
             raise ValueError("the weights hold no tensors")
         if device_map_fn is not None:
-            user_weights = _user_form(first, self.strategy)
+            user_weights = as_user_weights(first, self.strategy)
             for i in ids:  # one worker at a time: never N device copies alive at once
                 mapped = to_flat(device_map_fn(i, user_weights))
                 device_of[i] = str(next(iter(mapped.values())).device)
@@ -473,9 +473,3 @@ class _Endpoint:
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def _user_form(flat: Mapping[str, torch.Tensor], strategy: Strategy) -> Any:
-    from ._strategy import as_user_weights
-
-    return as_user_weights(flat, strategy)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import multiprocessing as mp
 import sys
 import traceback
 from collections.abc import Callable, Coroutine, Iterable, Mapping
@@ -256,5 +255,3 @@ def spawn_workers(
     """
     return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout, daemon=daemon)
 
-
-_ = mp  # the context comes from aiomultiprocess (spawn by default)
