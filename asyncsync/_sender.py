@@ -386,6 +386,8 @@ class Sender:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             for w in self._workers.values():
+                w.tasks = []  # finished tasks keep tracebacks that point back at us
+            for w in self._workers.values():
                 if w.queue is not None:
                     await w.queue.aclose()
                 if w.child_conn is not None:

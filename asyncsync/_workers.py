@@ -15,13 +15,17 @@ Example::
 
 A worker's exception is raised in the parent as :class:`WorkerProcessError` (with the
 original exception as ``__cause__`` when it pickles); on exit every child is joined
-with a deadline, then terminated, then killed: no child survives the block.
+with a deadline, then terminated, then killed: no child survives the block, and no
+child outlives a parent that was killed (see ``orphan_grace``). No manager process is
+started (aiomultiprocess's ``Process`` starts one; ours passes results over a pipe).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing as mp
+import pickle
 import sys
 import traceback
 from collections.abc import Callable, Coroutine, Iterable, Mapping
@@ -29,8 +33,8 @@ from types import TracebackType
 from typing import Any
 
 import aiomultiprocess
-import aiomultiprocess.core
 import anyio
+from aiomultiprocess.types import Unit
 
 from ._errors import BrokenChannelError, SyncTimeoutError, WorkerProcessError
 from ._queues import AsyncQueue
@@ -38,28 +42,66 @@ from ._queues import AsyncQueue
 __all__ = ["WorkerGroup", "spawn_workers"]
 
 
+class _Process(aiomultiprocess.Process):  # type: ignore[misc]
+    """aiomultiprocess's Process without its manager server process.
+
+    ``aiomultiprocess.Process.__init__`` starts a ``multiprocessing`` manager (one more
+    process, which outlives a killed parent) only to hold a result namespace; results and
+    errors travel over our own pipe instead. The child side is aiomultiprocess's own
+    ``run_async`` (a fresh event loop running the coroutine).
+    """
+
+    def __init__(self, ctx: mp.context.BaseContext, target: Callable[..., Any], args: tuple[Any, ...], name: str, daemon: bool) -> None:
+        self.unit = Unit(target=target, args=args, kwargs={}, namespace=None)
+        self.aio_process = ctx.Process(target=aiomultiprocess.Process.run_async, args=(self.unit,), name=name, daemon=daemon)  # type: ignore[attr-defined]
+
+
 async def _child_entry(
     fn: Callable[..., Coroutine[Any, Any, Any]],
     worker_idx: int,
     conn: Any,
+    lifeline: Any,
+    orphan_grace: float,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> None:
+    main = asyncio.ensure_future(fn(worker_idx, *args, **kwargs))
+    parent_gone = asyncio.ensure_future(_wait_eof(lifeline))
+    await asyncio.wait({main, parent_gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not main.done():
+        # The parent died: let the function end by itself (a scheme's receiver raises
+        # SenderDiedError), then cancel it; no orphan outlives its parent for long.
+        await asyncio.wait({main}, timeout=orphan_grace)
+        main.cancel()
+        await asyncio.wait({main})
+    parent_gone.cancel()
+    await asyncio.wait({parent_gone})
+    lifeline.close()
     try:
-        result = await fn(worker_idx, *args, **kwargs)
+        result = main.result()
     except BaseException as exc:  # report over our own channel, then exit non-zero
         tb = traceback.format_exc()
-        try:
-            conn.send(("error", exc, tb))
-        except Exception:
-            conn.send(("error", None, tb))
-        conn.close()
+        _report(conn, ("error", exc, tb), ("error", None, tb))
         sys.stderr.flush()
         raise SystemExit(1) from None
+    _report(conn, ("ok", result, ""), ("error", None, f"result of worker {worker_idx} cannot be pickled"))
+
+
+async def _wait_eof(conn: Any) -> None:
     try:
-        conn.send(("ok", result, ""))
-    except Exception as exc:
-        conn.send(("error", None, f"result of worker {worker_idx} cannot be pickled: {exc!r}"))
+        await AsyncQueue(conn).get()
+    except BrokenChannelError:
+        pass
+
+
+def _report(conn: Any, message: tuple[Any, ...], fallback: tuple[Any, ...]) -> None:
+    try:
+        try:
+            conn.send(message)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            conn.send(fallback)
+    except OSError:
+        pass  # the parent is gone
     conn.close()
 
 
@@ -77,6 +119,8 @@ class WorkerGroup:
         scheme: Any = None,
         join_timeout: float = 30.0,
         daemon: bool = False,
+        orphan_grace: float = 5.0,
+        ctx: mp.context.BaseContext | None = None,
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
@@ -91,36 +135,46 @@ class WorkerGroup:
         self.scheme = scheme
         self.join_timeout = join_timeout
         self.daemon = daemon  # daemonic workers cannot start processes of their own
+        self.orphan_grace = orphan_grace
+        self.ctx = ctx if ctx is not None else mp.get_context("spawn")
+        if self.ctx.get_start_method() != "spawn":
+            raise ValueError("asyncsync workers need the 'spawn' start method")
         self.processes: dict[int, aiomultiprocess.Process] = {}
         self.results: dict[int, Any] = {}
         self._outcomes: dict[int, tuple[str, Any, str]] = {}
         self._results: dict[int, AsyncQueue[Any]] = {}
-        self._started_manager = False
+        self._lifelines: dict[int, Any] = {}
         self._closed = False
 
     # -------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        ctx = aiomultiprocess.core.get_context()
-        if ctx.get_start_method() != "spawn":
-            raise RuntimeError("asyncsync workers need the 'spawn' start method (aiomultiprocess.set_start_method('spawn'))")
-        self._started_manager = aiomultiprocess.core._manager is None
+        """Spawn every worker (``async with`` does this)."""
         for i in self.worker_ids:
             self._start_one(i)
 
     def _start_one(self, idx: int) -> None:
-        ctx = aiomultiprocess.core.get_context()
-        theirs_r, theirs_w = ctx.Pipe(duplex=False)
-        proc = aiomultiprocess.Process(
-            target=_child_entry,
-            args=(self.fn, idx, theirs_w, self.args, self.kwargs),
+        results_r, results_w = self.ctx.Pipe(duplex=False)
+        # The child waits for EOF on this pipe: it means the parent is gone.
+        lifeline_r, lifeline_w = self.ctx.Pipe(duplex=False)
+        proc = _Process(
+            self.ctx,
+            _child_entry,
+            (self.fn, idx, results_w, lifeline_r, self.orphan_grace, self.args, self.kwargs),
             name=f"asyncsync-worker-{idx}",
             daemon=self.daemon,
         )
-        proc.start()
-        theirs_w.close()
+        try:
+            proc.start()
+        finally:
+            results_w.close()
+            lifeline_r.close()
         self.processes[idx] = proc
-        self._results[idx] = AsyncQueue(theirs_r)
+        self._results[idx] = AsyncQueue(results_r)
+        old = self._lifelines.pop(idx, None)
+        if old is not None:
+            old.close()
+        self._lifelines[idx] = lifeline_w
         self._outcomes.pop(idx, None)
         if self.scheme is not None and getattr(self.scheme, "_sender", None) is not None:
             self.scheme.watch_process(idx, proc.aio_process)
@@ -222,19 +276,13 @@ class WorkerGroup:
                         await self._wait_exit(idx, 5.0)
             for q in self._results.values():
                 await q.aclose()
+            for lifeline in self._lifelines.values():
+                lifeline.close()
             for p in self.processes.values():
                 try:
                     p.close()
                 except ValueError:
                     pass
-            if self._started_manager and aiomultiprocess.core._manager is not None:
-                manager, aiomultiprocess.core._manager = aiomultiprocess.core._manager, None
-                manager.shutdown()
-                # The Namespace proxies our processes hold keep the manager object alive;
-                # release its process handle's pipes now rather than at interpreter exit.
-                process = getattr(manager, "_process", None)
-                if process is not None:
-                    process.close()
 
 
 def spawn_workers(
@@ -247,11 +295,14 @@ def spawn_workers(
     scheme: Any = None,
     join_timeout: float = 30.0,
     daemon: bool = False,
+    orphan_grace: float = 5.0,
 ) -> WorkerGroup:
     """A :class:`WorkerGroup` to use as ``async with``; see the module docstring.
 
     With *scheme* (initialised on the sender), each process is registered with it so a
-    worker's death is noticed at once through its process sentinel.
+    worker's death is noticed at once through its process sentinel. If the parent dies,
+    each worker's function gets *orphan_grace* seconds to end (a scheme's receiver raises
+    :class:`SenderDiedError` at once), then it is cancelled and the process exits.
     """
-    return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout, daemon=daemon)
+    return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout, daemon=daemon, orphan_grace=orphan_grace)
 

@@ -73,5 +73,5 @@ def run_benchmark(
     chosen = list(transports) if transports is not None else available_transports()
     if not chosen:
         raise ValueError("no transport to measure")
-    say: Callable[[str], None] | None = _print if progress is True else (progress or None)  # type: ignore[assignment]
+    say: Callable[[str], None] | None = _print if progress is True else (progress or None)
     return run_rows(chosen, list(params), list(workers), repeats, loop_lag=loop_lag, memory=memory, progress=say)

@@ -50,13 +50,32 @@ def parser() -> argparse.ArgumentParser:
         description="Latency of a weight send until every worker acked it: asyncsync's transports vs torchrl's schemes, "
         "against the one-copy floor. Progress goes to stderr, the markdown table to stdout.",
     )
-    p.add_argument("--transports", type=_csv, default=None, help="comma-separated: shm,queue,torchrl-mp,torchrl-shared (default: all available)")
-    p.add_argument("--params", type=_specs, default=list(DEFAULT_PARAMS), help=f"model sizes N or N/T (N params in T tensors), default {','.join(DEFAULT_PARAMS)}")
+    p.add_argument(
+        "--transports",
+        type=_csv,
+        default=None,
+        help="comma-separated: shm,queue,torchrl-mp,torchrl-shared (default: all available)",
+    )
+    p.add_argument(
+        "--params",
+        type=_specs,
+        default=list(DEFAULT_PARAMS),
+        help=f"model sizes N or N/T (N params in T tensors), default {','.join(DEFAULT_PARAMS)}",
+    )
     p.add_argument("--workers", type=_ints, default=list(DEFAULT_WORKERS), help="worker counts, default 1,2")
-    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help=f"timed sends per row after 2 warm-up sends (default {DEFAULT_REPEATS})")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"timed sends per row after 2 warm-up sends (default {DEFAULT_REPEATS})",
+    )
     p.add_argument("--json", metavar="FILE", help="write machine info and every row as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a log-log plot of latency vs model size")
-    p.add_argument("--loop-lag", action="store_true", help="measure the worker's event-loop lag while the largest model lands (commit swap vs copy)")
+    p.add_argument(
+        "--loop-lag",
+        action="store_true",
+        help="measure the worker's event-loop lag while the largest model lands (commit swap vs copy)",
+    )
     p.add_argument(
         "--memory",
         action=argparse.BooleanOptionalAction,
@@ -94,7 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     load = machine.get("loadavg")
     if load and machine.get("cores") and load[0] > 0.5 * machine["cores"]:
-        print(f"# warning: load average {load[0]:.2f} on {machine['cores']} cores: other processes are busy, numbers will be noisy", file=sys.stderr)
+        print(
+            f"# warning: load average {load[0]:.2f} on {machine['cores']} cores: other processes are busy, numbers will be noisy",
+            file=sys.stderr,
+        )
     rows = run_benchmark(
         transports, args.params, args.workers, args.repeats, loop_lag=args.loop_lag, memory=args.memory, progress=True
     )

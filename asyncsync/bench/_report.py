@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -50,6 +51,26 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def _git_state() -> str | None:
+    """``<commit>`` of the asyncsync checkout, ``+dirty`` with uncommitted changes (None outside git)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", "asyncsync"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch
@@ -65,6 +86,7 @@ def machine_info() -> dict[str, Any]:
         "tensordict": _version("tensordict"),
         "torchrl": _version("torchrl"),
         "asyncsync": _version("asyncsync"),
+        "asyncsync_git": _git_state(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "loadavg": _loadavg(),
         "argv": sys.argv[1:],
@@ -87,6 +109,10 @@ def _f(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _ratio(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}x" if value < 10 else f"{value:.0f}x"
 
@@ -104,12 +130,36 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     if lat:
         parts.append(
             _table(
-                ["transport", "params", "workers", "median ms", "p90 ms", "GB/s", "floor ms", "x floor", "vs torchrl-mp", "vs torchrl-shared", "peak RSS sender MiB", "peak RSS worker MiB"],
+                [
+                    "transport",
+                    "params",
+                    "workers",
+                    "median ms",
+                    "p90 ms",
+                    "GB/s",
+                    "floor ms",
+                    "x floor",
+                    "vs torchrl-mp",
+                    "vs torchrl-shared",
+                    "peak RSS sender MiB",
+                    "peak RSS worker MiB",
+                    "others' CPU %",
+                ],
                 [
                     [
-                        r["transport"], r["params"], str(r["workers"]), _f(r["median_ms"], 3), _f(r["p90_ms"], 3), _f(r["gbps"]),
-                        _f(r["floor_ms"], 3), _ratio(r["floor_ratio"]), _ratio(r.get("vs_torchrl_mp")), _ratio(r.get("vs_torchrl_shared")),
-                        _f(r.get("peak_rss_sender_mb")), _f(r.get("peak_rss_worker_mb")),
+                        r["transport"],
+                        r["params"],
+                        str(r["workers"]),
+                        _f(r["median_ms"], 3),
+                        _f(r["p90_ms"], 3),
+                        _f(r["gbps"]),
+                        _f(r["floor_ms"], 3),
+                        _ratio(r["floor_ratio"]),
+                        _ratio(r.get("vs_torchrl_mp")),
+                        _ratio(r.get("vs_torchrl_shared")),
+                        _f(r.get("peak_rss_sender_mb")),
+                        _f(r.get("peak_rss_worker_mb")),
+                        _pct(r.get("other_cpu_pct")),
                     ]
                     for r in lat
                 ],
@@ -120,10 +170,25 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         parts.append(
             f"Memory over {mem[0]['sends']} back-to-back sends (MiB; /dev/shm = bytes used there; memfd = resident asyncsync memfd mappings):\n\n"
             + _table(
-                ["transport", "params", "workers", "median ms", "sender RSS before -> after", "sender peak (extra)", "worker RSS first -> last", "worker peak", "/dev/shm before -> after", "memfd sender before -> after", "slots x size"],
+                [
+                    "transport",
+                    "params",
+                    "workers",
+                    "median ms",
+                    "sender RSS before -> after",
+                    "sender peak (extra)",
+                    "worker RSS first -> last",
+                    "worker peak",
+                    "/dev/shm before -> after",
+                    "memfd sender before -> after",
+                    "slots x size",
+                ],
                 [
                     [
-                        r["transport"], r["params"], str(r["workers"]), _f(r["median_ms"]),
+                        r["transport"],
+                        r["params"],
+                        str(r["workers"]),
+                        _f(r["median_ms"]),
                         f"{_f(r['rss_sender_before_mb'])} -> {_f(r['rss_sender_after_mb'])}",
                         f"{_f(r['peak_rss_sender_mb'])} (+{_f(r['sender_extra_mb'])})",
                         f"{_f(r['rss_worker_first_mb'])} -> {_f(r['rss_worker_last_mb'])}",
@@ -141,12 +206,34 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         parts.append(
             "Worker event-loop lag while updates land (1 ms ticker on the worker's loop; references: the same ticker while the trainer sleeps, and while it only perturbs and copies its weights without sending):\n\n"
             + _table(
-                ["mode", "commit", "params", "workers", "median send ms", "send->commit ms", "commit on loop ms", "loop lag max ms", "loop lag p99 ms", "ref: idle max ms", "ref: trainer copy only max ms"],
+                [
+                    "mode",
+                    "commit",
+                    "params",
+                    "workers",
+                    "median send ms",
+                    "send->commit ms",
+                    "commit on loop ms",
+                    "loop lag max ms",
+                    "loop lag p99 ms",
+                    "ref: idle max ms",
+                    "ref: trainer copy only max ms",
+                    "others' CPU %",
+                ],
                 [
                     [
-                        r["mode"], r["commit"], r["params"], str(r["workers"]), _f(r["median_ms"]), _f(r["send_to_commit_ms"]),
-                        _f(r["worker_commit_ms"], 3), _f(r["loop_lag_max_ms"]), _f(r["loop_lag_p99_ms"]),
-                        _f(r.get("loop_lag_idle_max_ms")), _f(r.get("loop_lag_copy_max_ms")),
+                        r["mode"],
+                        r["commit"],
+                        r["params"],
+                        str(r["workers"]),
+                        _f(r["median_ms"]),
+                        _f(r["send_to_commit_ms"]),
+                        _f(r["worker_commit_ms"], 3),
+                        _f(r["loop_lag_max_ms"]),
+                        _f(r["loop_lag_p99_ms"]),
+                        _f(r.get("loop_lag_idle_max_ms")),
+                        _f(r.get("loop_lag_copy_max_ms")),
+                        _pct(r.get("other_cpu_pct")),
                     ]
                     for r in lag
                 ],
@@ -177,12 +264,20 @@ def write_plot(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any
     fig, axes = plt.subplots(1, len(worker_counts), figsize=(5.5 * len(worker_counts), 4.5), sharey=True, squeeze=False)
     for ax, nw in zip(axes[0], worker_counts):
         for transport in transports:
-            pts = sorted((r["n_params"] * 4, r["median_ms"], r["p90_ms"]) for r in lat if r["workers"] == nw and r["transport"] == transport)
+            pts = sorted(
+                (r["n_params"] * 4, r["median_ms"], r["p90_ms"])
+                for r in lat
+                if r["workers"] == nw and r["transport"] == transport
+            )
             if not pts:
                 continue
             x = [p[0] for p in pts]
             ax.plot(x, [p[1] for p in pts], marker=markers.get(transport, "o"), label=transport)
-        floor = sorted({(r["n_params"] * 4, r["floor_ms"]) for r in lat if r["workers"] == nw})
+        floors: dict[int, float] = {}
+        for r in lat:
+            if r["workers"] == nw:
+                floors[r["n_params"] * 4] = min(floors.get(r["n_params"] * 4, math.inf), r["floor_ms"])
+        floor = sorted(floors.items())
         ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", lw=1, label="one-copy floor")
         labels = sorted({(r["n_params"] * 4, r["params"]) for r in lat if r["workers"] == nw})
         ax.set_xscale("log")
@@ -196,7 +291,10 @@ def write_plot(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any
     axes[0][0].set_ylabel("send until all acks, median (ms)")
     axes[0][-1].legend(fontsize=8)
     info = machine or {}
-    fig.suptitle(f"asyncsync vs torchrl weight sync — {info.get('cpu_model', '')}, {info.get('cores', '?')} cores, torch {info.get('torch', '')}", fontsize=9)
+    fig.suptitle(
+        f"asyncsync vs torchrl weight sync — {info.get('cpu_model', '')}, {info.get('cores', '?')} cores, torch {info.get('torch', '')}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

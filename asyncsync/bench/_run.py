@@ -23,7 +23,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,8 @@ ASYNCSYNC_TRANSPORTS: tuple[str, ...] = ("shm", "queue")
 TORCHRL_TRANSPORTS: tuple[str, ...] = ("torchrl-mp", "torchrl-shared")
 WARMUP_SENDS = 2
 MEMORY_SENDS = 20
+#: At least this many timed sends in a loop-lag row (a max over few samples is noise).
+LOOP_LAG_SENDS = 30
 #: Timeout of the scheme's waits (connect, sends, acks) in the benchmark.
 SCHEME_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 60.0
@@ -263,7 +265,11 @@ async def run_asyncsync(
         raise ValueError(f"unknown asyncsync transport {transport!r}; expected one of {ASYNCSYNC_TRANSPORTS}")
     model = make_model(n_params, n_tensors, seed=0)
     scheme = MultiProcessWeightSyncScheme(
-        strategy="tensordict", sync=True, timeout=SCHEME_TIMEOUT_S, transport=transport, commit=commit  # type: ignore[arg-type]
+        strategy="tensordict",
+        sync=True,
+        timeout=SCHEME_TIMEOUT_S,
+        transport=transport,  # type: ignore[arg-type]
+        commit=commit,  # type: ignore[arg-type]
     )
     scheme.init_on_sender(model=model, num_workers=workers)
     _reset_peak_rss()
@@ -298,7 +304,7 @@ async def run_asyncsync(
             out["dev_shm_after_mb"] = _dev_shm_mb()
             out["memfd_after_mb"] = _memfd_mb()
             out["peak_rss_sender_mb"] = _peak_rss_mb()
-            stats = scheme.statistics()
+            stats = scheme.sender.statistics()
             out["slots"] = stats.slots
             out["slot_bytes"] = stats.slot_bytes
             out["last_copy_ms"] = stats.last_copy_ms
@@ -418,70 +424,89 @@ def run_rows(
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     try:
-        with _shared_manager():
-            for spec in params:
-                n_params, n_tensors = specs[spec]
-                nbytes = n_params * 4
-                floor = measure_floor(n_params, n_tensors, repeats)
-                say(f"floor   {spec:>8}: {floor['floor_ms']:.4f} ms ({nbytes / floor['floor_ms'] / 1e6:.2f} GB/s)")
-                for nw in workers:
-                    for transport in transports:
-                        t_start = time.perf_counter()
-                        row = _latency_row(transport, spec, n_params, n_tensors, nw, repeats)
-                        row["floor_ms"] = floor["floor_ms"]
-                        row["floor_ratio"] = row["median_ms"] / floor["floor_ms"]
-                        row["gbps"] = nbytes / (row["median_ms"] / 1e3) / 1e9
-                        rows.append(row)
-                        say(
-                            f"{transport:>14} {spec:>8} x{nw}: median {row['median_ms']:9.3f} ms  p90 {row['p90_ms']:9.3f} ms  "
-                            f"{row['floor_ratio']:7.2f}x floor  ({time.perf_counter() - t_start:.1f}s)"
-                        )
-            _add_torchrl_ratios(rows)
-            ours = [t for t in transports if t in ASYNCSYNC_TRANSPORTS]
-            big = _largest(params)
-            n_params, n_tensors = specs[big]
-            if memory and ours:
-                for transport in ours:
-                    row = _memory_row(transport, big, n_params, n_tensors, max(workers))
-                    rows.append(row)
+        for spec in params:
+            n_params, n_tensors = specs[spec]
+            nbytes = n_params * 4
+            for nw in workers:
+                for transport in transports:
+                    t_start = time.perf_counter()
+                    neighbours = _Neighbours()
+                    # The floor right before each row: the same conditions (a busy
+                    # neighbour, memory bandwidth) as the row it is compared with.
+                    floor = measure_floor(n_params, n_tensors, repeats)
+                    row = _latency_row(transport, spec, n_params, n_tensors, nw, repeats)
+                    row["floor_ms"] = floor["floor_ms"]
+                    row["floor_ratio"] = row["median_ms"] / floor["floor_ms"]
+                    row["gbps"] = nbytes / (row["median_ms"] / 1e3) / 1e9
+                    rows.append(neighbours.stamp(row))
                     say(
-                        f"memory {transport:>7} {big:>8} x{max(workers)}: sender RSS {row['rss_sender_before_mb']:.0f} -> "
-                        f"{row['rss_sender_after_mb']:.0f} MiB, /dev/shm {row['dev_shm_before_mb']} -> {row['dev_shm_after_mb']} MiB"
+                        f"{transport:>14} {spec:>8} x{nw}: median {row['median_ms']:9.3f} ms  p90 {row['p90_ms']:9.3f} ms  "
+                        f"{row['floor_ratio']:7.2f}x floor {row['floor_ms']:.4f} ms  ({time.perf_counter() - t_start:.1f}s, "
+                        f"others {row.get('other_cpu_pct', '?')}% CPU)"
                     )
-            if loop_lag:
-                for nw in workers:
-                    for mode, commit in (("staged", "swap"), ("inline", "copy")):
-                        row = _loop_lag_row(mode, commit, big, n_params, n_tensors, nw, repeats)
-                        rows.append(row)
-                        say(
-                            f"loop-lag {mode:>6} {big:>8} x{nw}: lag max {row['loop_lag_max_ms']:.2f} ms (idle {row.get('loop_lag_idle_max_ms', float('nan')):.2f}, "
-                            f"copy only {row.get('loop_lag_copy_max_ms', float('nan')):.2f}), send->commit "
-                            f"{row['send_to_commit_ms']:.1f} ms, median send {row['median_ms']:.1f} ms"
-                        )
+        _add_torchrl_ratios(rows)
+        ours = [t for t in transports if t in ASYNCSYNC_TRANSPORTS]
+        big = _largest(params)
+        n_params, n_tensors = specs[big]
+        if memory and ours:
+            for transport in ours:
+                neighbours = _Neighbours()
+                row = _memory_row(transport, big, n_params, n_tensors, max(workers))
+                rows.append(neighbours.stamp(row))
+                say(
+                    f"memory {transport:>7} {big:>8} x{max(workers)}: sender RSS {row['rss_sender_before_mb']:.0f} -> "
+                    f"{row['rss_sender_after_mb']:.0f} MiB, /dev/shm {row['dev_shm_before_mb']} -> {row['dev_shm_after_mb']} MiB"
+                )
+        if loop_lag:
+            for nw in workers:
+                for mode, commit in (("staged", "swap"), ("inline", "copy")):
+                    neighbours = _Neighbours()
+                    row = _loop_lag_row(mode, commit, big, n_params, n_tensors, nw, max(repeats, LOOP_LAG_SENDS))
+                    rows.append(neighbours.stamp(row))
+                    say(
+                        f"loop-lag {mode:>6} {big:>8} x{nw}: lag max {row['loop_lag_max_ms']:.2f} ms (idle {row.get('loop_lag_idle_max_ms', float('nan')):.2f}, "
+                        f"copy only {row.get('loop_lag_copy_max_ms', float('nan')):.2f}), send->commit "
+                        f"{row['send_to_commit_ms']:.1f} ms, median send {row['median_ms']:.1f} ms"
+                    )
     finally:
         torch.set_num_threads(prev_threads)
         _collect()
     return rows
 
 
-@contextlib.contextmanager
-def _shared_manager() -> Iterable[None]:
-    """Start aiomultiprocess's manager process once for the whole run.
+class _Neighbours:
+    """How busy the machine was with *other* processes while one row ran.
 
-    Each ``spawn_workers`` group would otherwise start (and stop) its own, one more
-    interpreter start (torch and tensordict imports included) per row.
+    ``/proc/stat`` gives the CPU time of the whole machine (and the time the hypervisor
+    stole); this process's and its reaped children's CPU time (the row's workers) is
+    subtracted. The rest, as a share of ``wall x cores``, is ``other_cpu_pct``: a
+    neighbour running tests shows up there, and such a row's numbers are suspect.
     """
-    import aiomultiprocess.core
 
-    started = aiomultiprocess.core._manager is None
-    aiomultiprocess.core.get_manager()
-    try:
-        yield
-    finally:
-        if started and aiomultiprocess.core._manager is not None:
-            manager, aiomultiprocess.core._manager = aiomultiprocess.core._manager, None
-            with contextlib.suppress(Exception):
-                manager.shutdown()
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float, float] | None:
+        try:
+            with open("/proc/stat") as fh:
+                fields = [int(x) for x in fh.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        own = sum(getattr(os.times(), f) for f in ("user", "system", "children_user", "children_system"))
+        return (time.monotonic(), (user + nice + system + irq + softirq) / hz, steal / hz, own)
+
+    def stamp(self, row: dict[str, Any]) -> dict[str, Any]:
+        end = self._sample()
+        if self._start is not None and end is not None:
+            wall = end[0] - self._start[0]
+            capacity = wall * (os.cpu_count() or 1)
+            others = (end[1] - self._start[1]) - (end[3] - self._start[3])
+            row["other_cpu_pct"] = round(max(0.0, others) / capacity * 100, 1) if capacity > 0 else None
+            row["steal_pct"] = round((end[2] - self._start[2]) / capacity * 100, 1) if capacity > 0 else None
+        return row
 
 
 def _collect() -> None:
@@ -492,7 +517,14 @@ def _collect() -> None:
 
 def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, workers: int, repeats: int) -> dict[str, Any]:
     _collect()
-    row: dict[str, Any] = {"kind": "latency", "transport": transport, "params": spec, "n_params": n_params, "n_tensors": n_tensors, "workers": workers}
+    row: dict[str, Any] = {
+        "kind": "latency",
+        "transport": transport,
+        "params": spec,
+        "n_params": n_params,
+        "n_tensors": n_tensors,
+        "workers": workers,
+    }
     if transport in TORCHRL_TRANSPORTS:
         from asyncsync.bench._torchrl import run_torchrl
 
