@@ -198,6 +198,7 @@ class Sender:
         """Start watching the workers, send the initial weights, wait for every ack."""
         if self._state != "new":
             raise ClosedError("the sender is closed") if self._state == "closed" else RuntimeError("connect() was already called")
+        self._pool.open()
         self._state = "running"
         self._changed = asyncio.Event()
         self._send_lock = asyncio.Lock()

@@ -44,10 +44,14 @@ class SlotPool:
         self.layout = layout
         self.reuse = reuse
         self.max_slots = max(max_slots, num_slots)
+        self.num_slots = num_slots
         self.slots: list[Slot] = []
         self._next_id = 0
-        if reuse:
-            for _ in range(num_slots):
+
+    def open(self) -> None:
+        """Allocate (and pre-fault) the reusable slots: once, at connect."""
+        if self.reuse:
+            while len(self.slots) < self.num_slots:
                 self._allocate()
 
     def _allocate(self) -> Slot:
