@@ -85,6 +85,7 @@ class Receiver:
         self._layout_error: str | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._reads_slot = False
+        self._slot_versions: list[int] = []
         self._spare: dict[str, torch.Tensor] | None = None
         self._device = torch.device("cpu")
         self._stager: Stager | None = None
@@ -352,6 +353,8 @@ class Receiver:
         holds: int | None
         targets = self._targets
         tensors = staged.tensors
+        if self._holds is not None:
+            self._check_untouched()
         if self.commit_kind == "swap":
             with torch.no_grad():
                 if staged.holds is None and self._holds is None:
@@ -372,6 +375,10 @@ class Receiver:
             copy_tensors([targets[k] for k in keys], [tensors[k] for k in keys])
             holds = None
         self._holds = holds
+        if holds is not None:
+            # Parameters now view a shared slot: remember their version counters to notice
+            # in-place writes (they would reach every worker reading that slot).
+            self._slot_versions = [t._version for t in targets.values()]
         self._version = staged.version
         self._commit_s = time.perf_counter() - t0
         self._stage_s = staged.stage_s
@@ -380,6 +387,16 @@ class Receiver:
         self._ack(Ack(self.worker_idx, staged.version, True, None, holds, staged.stage_s, self._commit_s))
         self._notify()
         self._run_callbacks(staged.version)
+
+    def _check_untouched(self) -> None:
+        written = [k for (k, t), v in zip(self._targets.items(), self._slot_versions) if t._version != v]
+        if written:
+            logger.error(
+                "worker %d wrote in place into weights that view a shared slot (%s): other workers on "
+                "the same slot see those writes; keep the model read-only (eval mode) or use commit='copy'",
+                self.worker_idx,
+                ", ".join(written[:8]),
+            )
 
     def _run_callbacks(self, version: int) -> None:
         if self.on_update is None and not hasattr(self.context, "update_policy_weights_"):

@@ -147,3 +147,24 @@ async def test_worker_connect_times_out_without_a_sender() -> None:
         await worker_scheme.connect(timeout=0.05)
     await worker_scheme.aclose()
     await scheme.aclose()
+
+
+async def test_in_place_write_into_shared_weights_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)  # commit="swap": CPU params view the slot
+    scheme.init_on_sender(model=make_model("bn"), num_workers=1)
+    worker_scheme = pickle.loads(pickle.dumps(scheme))
+    worker_model = make_model("bn")
+    worker_scheme.init_on_receiver(worker_idx=0, model=worker_model)
+    receiving = asyncio.ensure_future(worker_scheme.connect())
+    await scheme.connect()
+    await receiving
+    await scheme.send()
+    assert "wrote in place" not in caplog.text  # read-only use: nothing to report
+    worker_model.train()
+    worker_model(torch.randn(4, 4))  # BatchNorm updates its running stats in place
+    await scheme.send()
+    # (BatchNorm's kernel updates running_mean/var without bumping version counters; the
+    # Python-level num_batches_tracked += 1 does)
+    assert "worker 0 wrote in place into weights that view a shared slot (1.num_batches_tracked" in caplog.text
+    await scheme.aclose()
+    await worker_scheme.aclose()
