@@ -57,6 +57,14 @@ class Cluster:
         self.probes: list[Probe] = []
         self.group: Any = None
 
+    @classmethod
+    def of(cls, kinds: list[str], **scheme_kwargs: Any) -> Cluster:
+        """A fresh trainer model (of ``kinds[0]``) and scheme, one probe worker per kind."""
+        model = make_model(kinds[0])
+        scheme = MultiProcessWeightSyncScheme(**{"timeout": 30, **scheme_kwargs})
+        scheme.init_on_sender(model=model, num_workers=len(kinds))
+        return cls(scheme, model, len(kinds), kinds)
+
     def spawn(self) -> None:
         """Start the probe workers (one group each, so each gets its own control pipe)."""
         ends = [CTX.Pipe() for _ in range(self.n)]
@@ -120,10 +128,7 @@ def assert_same(model_or_sd: Any, sd: dict[str, torch.Tensor]) -> None:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster2() -> AsyncIterator[Cluster]:
     """Two probe workers shared by the tests of one module (tensordict, shm)."""
-    model = make_model()
-    scheme = MultiProcessWeightSyncScheme(strategy="tensordict", timeout=30)
-    scheme.init_on_sender(model=model, num_workers=2)
-    c = Cluster(scheme, model, 2, ["mlp", "mlp"])
+    c = Cluster.of(["mlp", "mlp"], strategy="tensordict")
     await c.start()
     yield c
     await c.close()

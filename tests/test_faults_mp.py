@@ -26,16 +26,10 @@ from tests.conftest import Cluster
 CTX = mp.get_context("spawn")
 
 
-def all_equal(sd: dict[str, torch.Tensor], value: float) -> bool:
-    return all(bool((t == value).all()) for t in sd.values() if t.is_floating_point())
-
-
 async def test_worker_killed_while_sender_waits_for_acks() -> None:
-    model = make_model()
     # manual commit: the worker stages but never commits, so the sender is left waiting
-    scheme = MultiProcessWeightSyncScheme(timeout=30, commit_mode="manual")
-    scheme.init_on_sender(model=model, num_workers=2)
-    c = Cluster(scheme, model, 2, ["mlp", "mlp"])
+    c = Cluster.of(["mlp", "mlp"], commit_mode="manual")
+    scheme = c.scheme
     try:
         await c.start_manual()
         send = asyncio.ensure_future(scheme.send())
@@ -60,10 +54,8 @@ async def test_worker_killed_while_sender_waits_for_acks() -> None:
 
 
 async def test_manual_commit_timeout_names_the_silent_worker() -> None:
-    model = make_model()
-    scheme = MultiProcessWeightSyncScheme(timeout=30, commit_mode="manual")
-    scheme.init_on_sender(model=model, num_workers=2)
-    c = Cluster(scheme, model, 2, ["mlp", "mlp"])
+    c = Cluster.of(["mlp", "mlp"], commit_mode="manual")
+    scheme = c.scheme
     try:
         await c.start_manual()
         send = asyncio.ensure_future(scheme.send(timeout=30))

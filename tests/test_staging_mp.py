@@ -14,10 +14,8 @@ from tests.conftest import Cluster, assert_same
 
 
 async def test_manual_commit_and_quorum() -> None:
-    model = make_model()
-    scheme = MultiProcessWeightSyncScheme(timeout=30, commit_mode="manual")
-    scheme.init_on_sender(model=model, num_workers=2)
-    c = Cluster(scheme, model, 2, ["mlp", "mlp"])
+    c = Cluster.of(["mlp", "mlp"], commit_mode="manual")
+    scheme, model = c.scheme, c.model
     try:
         await c.start_manual()
         fill_(model, 2.0)
@@ -51,10 +49,8 @@ async def test_manual_commit_and_quorum() -> None:
 
 @pytest.mark.parametrize("commit", ["swap", "copy"])
 async def test_transfer_dtype_partial_updates_and_addresses(commit: str) -> None:
-    model = make_model()
-    scheme = MultiProcessWeightSyncScheme(timeout=30, transfer_dtype=torch.bfloat16, commit=commit)  # type: ignore[arg-type]
-    scheme.init_on_sender(model=model, num_workers=1)
-    c = Cluster(scheme, model, 1, ["mlp"])
+    c = Cluster.of(["mlp"], transfer_dtype=torch.bfloat16, commit=commit)
+    scheme, model = c.scheme, c.model
     await c.start()
     try:
         full_bytes = sum(t.numel() * 4 for t in model.state_dict().values())
@@ -85,10 +81,8 @@ async def test_transfer_dtype_partial_updates_and_addresses(commit: str) -> None
 
 
 async def test_swap_commit_points_cpu_workers_at_the_shared_slot() -> None:
-    model = make_model()
-    scheme = MultiProcessWeightSyncScheme(timeout=30)  # commit="swap": zero-copy on CPU
-    scheme.init_on_sender(model=model, num_workers=1)
-    c = Cluster(scheme, model, 1, ["mlp"])
+    c = Cluster.of(["mlp"])  # commit="swap": zero-copy on CPU
+    scheme, model = c.scheme, c.model
     await c.start()
     try:
         seen = set()

@@ -20,10 +20,8 @@ from tests.conftest import Cluster, assert_same
     [("state_dict", "queue", "copy"), ("state_dict", "shm", "copy"), ("tensordict", "queue", "swap")],
 )
 async def test_one_worker_variants(strategy: str, transport: str, commit: str) -> None:
-    model = make_model("bn")
-    scheme = MultiProcessWeightSyncScheme(strategy=strategy, transport=transport, commit=commit, timeout=30)  # type: ignore[arg-type]
-    scheme.init_on_sender(model=model, num_workers=1)
-    c = Cluster(scheme, model, 1, ["bn"])
+    c = Cluster.of(["bn"], strategy=strategy, transport=transport, commit=commit)
+    scheme, model = c.scheme, c.model
     await c.start()
     try:
         _, sd = await c.state(0)
@@ -45,10 +43,8 @@ async def test_one_worker_variants(strategy: str, transport: str, commit: str) -
 
 
 async def test_worker_with_other_architecture_rejects_and_keeps_weights() -> None:
-    model = make_model("mlp")
-    scheme = MultiProcessWeightSyncScheme(timeout=30)
-    scheme.init_on_sender(model=model, num_workers=2)
-    c = Cluster(scheme, model, 2, ["mlp", "wide"])
+    c = Cluster.of(["mlp", "wide"])
+    scheme, model = c.scheme, c.model
     with pytest.raises(WorkerError) as info:
         await c.start()
     assert info.value.worker_idx == 1
