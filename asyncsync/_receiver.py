@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any, Literal
@@ -200,6 +201,15 @@ class Receiver:
             task.cancel()
             await asyncio.wait([task])
         self._close_resources()
+
+    def __del__(self) -> None:
+        task = getattr(self, "_task", None)
+        if task is not None and not task.done():
+            warnings.warn(
+                f"asyncsync receiver of worker {self.worker_idx} was not closed: use `async with scheme` or `await scheme.aclose()`",
+                ResourceWarning,
+                stacklevel=1,
+            )
 
     # ----------------------------------------------------------------- the task
 
