@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import os
 import time
 import warnings
@@ -19,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-import anyio
 import torch
 from torch import nn
 
@@ -28,6 +26,7 @@ from ._layout import Layout
 from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Staged, Stop
 from ._queues import AsyncQueue
 from ._shm import Segment
+from ._signal import Signal
 from ._staging import Stager, copy_tensors
 from ._stats import ReceiverStatistics
 from ._strategy import Strategy, as_user_weights, named_tensors
@@ -100,7 +99,7 @@ class Receiver:
         self.last_error: str | None = None
         self._stage_s = 0.0
         self._commit_s = 0.0
-        self._changed = asyncio.Event()
+        self._changed = Signal()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._state = "new"
@@ -126,33 +125,25 @@ class Receiver:
         if self._state != "new":
             raise RuntimeError("connect() was already called") if self._state != "closed" else ClosedError("the receiver is closed")
         self._state = "running"
-        self._changed = asyncio.Event()
         self._queue.put_nowait(Hello(self.worker_idx, os.getpid()))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
         limit = self.timeout if timeout is ... else timeout
-        try:
-            with anyio.fail_after(math.inf if limit is None else limit):  # type: ignore[arg-type]
-                # The first instruction answered: applied, or rejected (then the worker
-                # keeps its own weights and keeps running; the sender raises).
-                while self._responded < 0 and not (self._pending is not None):
-                    if self._task.done():
-                        self._raise_ended()
-                    await self._changed.wait()
-        except TimeoutError:
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit) from None  # type: ignore[arg-type]
+        # Done once the first instruction is answered: applied, staged (manual mode), or
+        # rejected (then the worker keeps its own weights and keeps running; the sender raises).
+        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):  # type: ignore[arg-type]
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
         return self._version
 
     async def wait_for_version(self, version: int, *, timeout: float | None | object = ...) -> int:
         """Wait until the model runs *version* or newer; return the version it runs."""
         limit = self.timeout if timeout is ... else timeout
-        try:
-            with anyio.fail_after(math.inf if limit is None else limit):  # type: ignore[arg-type]
-                while self._version < version and not (self.commit_mode == "manual" and self._pending is not None and self._pending.version >= version):
-                    if self._task is None or self._task.done():
-                        self._raise_ended()
-                    await self._changed.wait()
-        except TimeoutError:
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit) from None  # type: ignore[arg-type]
+
+        def reached() -> bool:
+            staged = self._pending is not None and self._pending.version >= version
+            return self._version >= version or staged or self._ended()
+
+        if not await self._changed.wait_until(reached, limit):  # type: ignore[arg-type]
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
         return self._version
 
     def commit(self) -> int | None:
@@ -213,7 +204,10 @@ class Receiver:
 
     # ----------------------------------------------------------------- the task
 
-    def _raise_ended(self) -> None:
+    def _ended(self) -> bool:
+        """False while the receiver task runs; raises why it ended otherwise."""
+        if self._task is not None and not self._task.done():
+            return False
         if self._error is not None:
             raise self._error
         raise ClosedError(f"receiver of worker {self.worker_idx} stopped")
@@ -240,7 +234,7 @@ class Receiver:
             raise
         finally:
             self._close_resources()
-            self._notify()
+            self._changed.notify()
 
     async def _handle(self, batch: list[Any]) -> bool:
         """Process messages in order; of several Receives only the newest is applied."""
@@ -253,7 +247,7 @@ class Receiver:
                 fds = self._queue.recv_fds(len(msg.slot_ids))
                 for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
                     # Mapping pre-faults every page: off the loop for large slots.
-                    self._segments[sid] = await self._stager_for_setup().run(nbytes, Segment.attach, fd, nbytes)
+                    self._segments[sid] = await self._get_stager().run(nbytes, Segment.attach, fd, nbytes)
                     if msg.transient:
                         self._transient.add(sid)
             elif isinstance(msg, Receive) and i == newest:
@@ -275,7 +269,6 @@ class Receiver:
         if device is None:
             device = next(iter(targets.values())).device if targets else torch.device("cpu")
         self._device = device
-        self._stager = self._stager or Stager(device)
         problems = []
         wire = {s.key: s for s in msg.layout.specs}
         for key, spec in wire.items():
@@ -297,27 +290,15 @@ class Receiver:
                 with torch.no_grad():
                     t.data = t.data.to(device)
         self._targets = {k: targets[k] for k in wire}
-        # Commit straight from the slot (no stage copy) when the slot holds the model's dtypes
-        # on the model's device: a pointer swap, or an in-place CPU copy.
-        self._reads_slot = self._zero_copy() or (
-            self.commit_kind == "copy"
-            and device.type == "cpu"
-            and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
-        )
+        # The slot already holds the model's dtypes on the model's device (CPU): commit
+        # straight from it, by pointer swap (zero copy) or by an in-place copy. Otherwise
+        # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype).
+        self._reads_slot = device.type == "cpu" and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
 
-    def _stager_for_setup(self) -> Stager:
+    def _get_stager(self) -> Stager:
         if self._stager is None:
-            self._stager = Stager(self._device)
+            self._stager = Stager(self._device)  # Setup, which fixes the device, comes first
         return self._stager
-
-    def _zero_copy(self) -> bool:
-        """CPU, same dtypes, swap commit: the model can run on the shared slot itself."""
-        assert self._layout is not None
-        return (
-            self.commit_kind == "swap"
-            and self._device.type == "cpu"
-            and all(self._targets[s.key].dtype == s.dtype for s in self._layout.specs)
-        )
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
         if self._layout is None or self._layout_error is not None:
@@ -337,17 +318,17 @@ class Receiver:
             staged = _Staged(msg.version, views, msg.slot, 0.0, skipped)
         else:
             buffers = self._staging_buffers()
-            assert self._stager is not None
+            stager = self._get_stager()
             keys = list(views)
-            self._stager.pin(seg.buf)
-            await self._stager.copy([buffers[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
+            stager.pin(seg.buf)
+            await stager.copy([buffers[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
             staged = _Staged(msg.version, buffers, None, time.perf_counter() - t0, skipped)
         if self._pending is not None:
             self._skipped += 1
         if self.commit_mode == "manual":
             self._pending = staged
             self._send(Staged(self.worker_idx, staged.version, staged.holds))  # older slots go back
-            self._notify()
+            self._changed.notify()
         else:
             self._commit(staged)
         self._release_transient()
@@ -395,7 +376,7 @@ class Receiver:
         self._updates += 1
         self._skipped += staged.skipped
         self._ack(Ack(self.worker_idx, staged.version, True, None, holds, staged.stage_s, self._commit_s))
-        self._notify()
+        self._changed.notify()
         self._run_callbacks(staged.version)
 
     def _check_untouched(self) -> None:
@@ -433,7 +414,7 @@ class Receiver:
         if not ack.ok:
             self.last_error = ack.error
             logger.warning("worker %d rejected version %d: %s", self.worker_idx, ack.version, ack.error)
-            self._notify()
+            self._changed.notify()
         self._send(ack)
 
     def _send(self, msg: Ack | Staged) -> None:
@@ -441,10 +422,6 @@ class Receiver:
             self._queue.put_nowait(msg)
         except (BrokenChannelError, ClosedError):
             pass  # the read side notices the sender's death
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
 
     def _close_resources(self) -> None:
         self._queue.close()

@@ -9,7 +9,6 @@ cancelled wait never loses an ack.
 from __future__ import annotations
 
 import asyncio
-import math
 import multiprocessing as mp
 import os
 import time
@@ -33,6 +32,7 @@ from ._errors import (
 from ._layout import Layout
 from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Staged, Stop
 from ._queues import AsyncQueue
+from ._signal import Signal
 from ._slots import Slot, SlotPool
 from ._staging import copy_tensors
 from ._stats import SenderStatistics, WorkerStatistics
@@ -120,7 +120,7 @@ class Sender:
         self._sends = 0
         self._bytes = 0
         self._last_copy_s = 0.0
-        self._changed = asyncio.Event()
+        self._changed = Signal()
         self._executor: ThreadPoolExecutor | None = None
         self._send_lock: asyncio.Lock | None = None
 
@@ -156,26 +156,22 @@ class Sender:
     async def wait_joined(self, worker_idx: int, timeout: float | None = None) -> None:
         """Wait until *worker_idx* is connected and has answered the latest version sent to it."""
         w = self._worker(worker_idx)
-        try:
-            with anyio.fail_after(math.inf if timeout is None else timeout):
-                while not (w.state == "connected" and w.responded >= w.sent):
-                    if self._state != "running":
-                        raise ClosedError("the sender is closed")
-                    await self._changed.wait()
-        except TimeoutError:
-            raise SyncTimeoutError(f"waiting for worker {worker_idx} to join", {worker_idx: w.applied}, timeout) from None
+
+        def joined() -> bool:
+            if self._state != "running":
+                raise ClosedError("the sender is closed")
+            return w.state == "connected" and w.responded >= w.sent
+
+        if not await self._changed.wait_until(joined, timeout):
+            raise SyncTimeoutError(f"waiting for worker {worker_idx} to join", {worker_idx: w.applied}, timeout)
         if w.applied < w.sent:
             raise WorkerError(worker_idx, w.sent, w.last_error or "rejected")
 
     async def wait_dead(self, worker_idx: int, timeout: float | None = None) -> None:
         """Wait until the sender has noticed that *worker_idx* is gone."""
         w = self._worker(worker_idx)
-        try:
-            with anyio.fail_after(math.inf if timeout is None else timeout):
-                while w.state not in ("dead", "stopped") and self._state == "running":
-                    await self._changed.wait()
-        except TimeoutError:
-            raise SyncTimeoutError(f"waiting for worker {worker_idx} to be declared dead", {worker_idx: w.applied}, timeout) from None
+        if not await self._changed.wait_until(lambda: w.state in ("dead", "stopped") or self._state != "running", timeout):
+            raise SyncTimeoutError(f"waiting for worker {worker_idx} to be declared dead", {worker_idx: w.applied}, timeout)
 
     # ----------------------------------------------------------------- public API
 
@@ -200,7 +196,6 @@ class Sender:
             raise ClosedError("the sender is closed") if self._state == "closed" else RuntimeError("connect() was already called")
         self._pool.open()
         self._state = "running"
-        self._changed = asyncio.Event()
         self._send_lock = asyncio.Lock()
         loop = asyncio.get_running_loop()
         for w in self._workers.values():
@@ -270,7 +265,7 @@ class Sender:
                 for i in members:
                     self._publish(self._workers[i], version, slot)
             self._release_unused()
-            self._notify()
+            self._changed.notify()
         return version
 
     async def wait_async(
@@ -298,15 +293,17 @@ class Sender:
             raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
         limit = self.timeout if timeout is ... else timeout
         what = what or ("wait_async" if version is None else f"wait for version {version}")
-        try:
-            with anyio.fail_after(math.inf if limit is None else limit):  # type: ignore[arg-type]
-                while not self._settled(wanted, need, quorum is not None):
-                    if self._state == "closed":
-                        raise ClosedError("the sender was closed while waiting")
-                    await self._changed.wait()
-        except TimeoutError:
+
+        def settled() -> bool:
+            if self._settled(wanted, need, quorum is not None):
+                return True
+            if self._state == "closed":
+                raise ClosedError("the sender was closed while waiting")
+            return False
+
+        if not await self._changed.wait_until(settled, limit):  # type: ignore[arg-type]
             pending = {i: self._workers[i].applied for i, v in wanted.items() if self._workers[i].applied < v}
-            raise SyncTimeoutError(what, pending, limit) from None  # type: ignore[arg-type]
+            raise SyncTimeoutError(what, pending, limit)  # type: ignore[arg-type]
 
     def _settled(self, wanted: dict[int, int], need: int, quorum: bool) -> bool:
         """True once *need* workers applied their wanted version; raise if that cannot happen."""
@@ -376,11 +373,9 @@ class Sender:
                             w.queue.put_nowait(Stop())
                         except Exception:
                             pass
-                with anyio.move_on_after(timeout):
-                    while any(w.state == "connected" for w in self._workers.values()):
-                        await self._changed.wait()
+                await self._changed.wait_until(lambda: all(w.state != "connected" for w in self._workers.values()), timeout)
             self._state = "closed"
-            self._notify()
+            self._changed.notify()
             tasks = [t for w in self._workers.values() for t in w.tasks]
             for t in tasks:
                 t.cancel()
@@ -470,19 +465,24 @@ class Sender:
         return out
 
     async def _acquire_slot(self) -> Slot:
-        limit = self.timeout
-        try:
-            with anyio.fail_after(math.inf if limit is None else limit):
-                while True:
-                    in_use = {s for w in self._workers.values() for s in w.slots_in_use() if s is not None}
-                    slot = self._pool.acquire(in_use, can_wait=self._release_pending(in_use))
-                    if slot is not None:
-                        slot.writing = True
-                        return slot
-                    await self._changed.wait()
-        except TimeoutError:
+        got: list[Slot] = []
+
+        def free_slot() -> bool:
+            in_use = self._slots_in_use()
+            slot = self._pool.acquire(in_use, can_wait=self._release_pending(in_use))
+            if slot is not None:
+                slot.writing = True
+                got.append(slot)
+            return slot is not None
+
+        if not await self._changed.wait_until(free_slot, self.timeout):
             pending = {i: w.applied for i, w in self._workers.items() if w.pending}
-            raise SyncTimeoutError("waiting for a free shared-memory slot", pending, limit) from None
+            raise SyncTimeoutError("waiting for a free shared-memory slot", pending, self.timeout)
+        return got[0]
+
+    def _slots_in_use(self) -> set[int]:
+        """Slots some worker runs on, was sent, or would get on (re)joining."""
+        return {s for w in self._workers.values() for s in w.slots_in_use() if s is not None}
 
     def _release_pending(self, in_use: set[int]) -> bool:
         """Whether some slot in use will be freed once outstanding acks arrive."""
@@ -490,8 +490,7 @@ class Sender:
         return any(s not in pinned for s in in_use) or any(s.writing for s in self._pool.slots)
 
     def _release_unused(self) -> None:
-        in_use = {s for w in self._workers.values() for s in w.slots_in_use() if s is not None}
-        self._pool.release_unused(in_use)
+        self._pool.release_unused(self._slots_in_use())
 
     async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: Slot | None = None) -> None:
         views = self._pool.views(slot)
@@ -516,7 +515,7 @@ class Sender:
                     slot.writing_elsewhere = False
                     slot.writing = False
                     self._release_unused()
-                    self._notify()
+                    self._changed.notify()
 
                 fut.add_done_callback(_done)
                 raise
@@ -541,10 +540,6 @@ class Sender:
             w.queue.put_nowait(Receive(version, slot.id))
         except (BrokenChannelError, ClosedError):
             pass  # the reader task notices the death and reports it
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
 
     def _start_tasks(self, w: _Worker, loop: asyncio.AbstractEventLoop) -> None:
         assert w.queue is not None
@@ -593,7 +588,7 @@ class Sender:
         if w.sent >= 0 and w.latest_slot is not None:
             w.pending = {w.sent: w.latest_slot}
             self._deliver(w, w.sent, self._pool.get(w.latest_slot))
-        self._notify()
+        self._changed.notify()
 
     def _on_ack(self, w: _Worker, ack: Ack) -> None:
         v = ack.version
@@ -608,20 +603,20 @@ class Sender:
         else:
             w.last_error = ack.error
         self._release_unused()
-        self._notify()
+        self._changed.notify()
 
     def _on_staged(self, w: _Worker, msg: Staged) -> None:
         for old in [u for u in w.pending if u < msg.version or (u == msg.version and msg.holds is None)]:
             del w.pending[old]
         self._release_unused()
-        self._notify()
+        self._changed.notify()
 
     async def _on_lost(self, w: _Worker, queue: AsyncQueue[Any]) -> None:
         if queue is not w.queue or w.state in ("dead", "stopped"):
             return  # an older channel, or already handled
         if self._state in ("closing", "closed") and w.state == "connected":
             w.state = "stopped"
-            self._notify()
+            self._changed.notify()
             return
         process = w.process
         if process is not None:
@@ -646,6 +641,6 @@ class Sender:
         if self._state == "running":
             # A replacement for this index can attach through the new channel.
             self._new_channel(w)
-            w.tasks = [asyncio.get_running_loop().create_task(self._read_loop(w, w.queue))]
+            self._start_tasks(w, asyncio.get_running_loop())
         self._release_unused()
-        self._notify()
+        self._changed.notify()
