@@ -192,23 +192,11 @@ class MultiProcessWeightSyncScheme:
             for i, flat in flat_map.items():
                 device_of[i] = str(next(iter(flat.values())).device) if flat else None
             first = flat_map[ids[0]]
-            source_ids = {i: id(params_map[i]) for i in ids}
-
-            def default_source(i: int) -> Mapping[str, torch.Tensor]:
-                return to_flat(params_map[i])
-
-            def source_key(i: int) -> int:
-                return source_ids[i]
-
+            sources = dict(params_map)
         else:
             src = model if model is not None else weights
             first = to_flat(src)
-
-            def default_source(i: int) -> Mapping[str, torch.Tensor]:
-                return to_flat(src)
-
-            def source_key(i: int) -> int:
-                return 0
+            sources = {i: src for i in ids}
 
         if not first:
             raise ValueError("the weights hold no tensors")
@@ -235,8 +223,7 @@ class MultiProcessWeightSyncScheme:
             worker_ids=ids,
             source_layout=source_layout,
             wire_layout=wire_layout,
-            default_source=default_source,
-            source_key=source_key,
+            sources=sources,
             devices=device_of,
             pool=pool,
             sync=self.sync,

@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Literal
@@ -36,7 +36,7 @@ from ._signal import Signal
 from ._slots import Slot, SlotPool
 from ._staging import copy_tensors
 from ._stats import SenderStatistics, WorkerStatistics
-from ._strategy import validate
+from ._strategy import to_flat, validate
 
 __all__ = ["Sender"]
 
@@ -90,8 +90,7 @@ class Sender:
         worker_ids: Sequence[int],
         source_layout: Layout,
         wire_layout: Layout,
-        default_source: Callable[[int], Mapping[str, torch.Tensor]],
-        source_key: Callable[[int], int],
+        sources: Mapping[int, Any],
         devices: Mapping[int, str | None],
         pool: SlotPool,
         sync: bool,
@@ -102,8 +101,7 @@ class Sender:
     ) -> None:
         self._source_layout = source_layout
         self._layout = wire_layout
-        self._default_source = default_source
-        self._source_key = source_key
+        self._sources = sources  # worker id -> what send(weights=None) reads for it
         self._pool = pool
         self.sync = sync
         self.timeout = timeout
@@ -435,15 +433,13 @@ class Sender:
     def _group(self, weights: Any, targets: list[int]) -> list[tuple[Mapping[str, torch.Tensor], list[int]]]:
         """Which weights go to which targets: one group per distinct source."""
         if weights is not None:
-            from ._strategy import to_flat
-
             return [(to_flat(weights), targets)]
         groups: dict[int, tuple[Mapping[str, torch.Tensor], list[int]]] = {}
-        for i in targets:
-            key = self._source_key(i)
-            if key not in groups:
-                groups[key] = (self._default_source(i), [])
-            groups[key][1].append(i)
+        for i in targets:  # workers sharing one source share one slot
+            source = self._sources[i]
+            if id(source) not in groups:
+                groups[id(source)] = (to_flat(source), [])
+            groups[id(source)][1].append(i)
         return list(groups.values())
 
     def _split_partial(
