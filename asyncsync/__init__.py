@@ -14,16 +14,19 @@ Example::
 from ._errors import (
     AsyncSyncError,
     BrokenChannelError,
+    CapacityError,
     ClosedError,
     SenderDiedError,
     SyncTimeoutError,
     WeightsError,
     WorkerDiedError,
     WorkerError,
+    WorkerLeftError,
     WorkerProcessError,
     WouldBlock,
 )
 from ._layout import Layout, TensorSpec
+from ._loopback import loopback_worker
 from ._queues import AsyncQueue
 from ._receiver import Receiver
 from ._scheme import MultiProcessWeightSyncScheme
@@ -37,6 +40,7 @@ __all__ = [
     "AsyncQueue",
     "AsyncSyncError",
     "BrokenChannelError",
+    "CapacityError",
     "ClosedError",
     "Layout",
     "MultiProcessWeightSyncScheme",
@@ -51,8 +55,10 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerGroup",
+    "WorkerLeftError",
     "WorkerProcessError",
     "WorkerStatistics",
     "WouldBlock",
+    "loopback_worker",
     "spawn_workers",
 ]

@@ -7,10 +7,12 @@
     ├── WouldBlock             a ``*_nowait`` call found nothing to do
     ├── BrokenChannelError     the peer's end of a channel vanished
     │   ├── WorkerDiedError    a worker process died (sender side)
+    │   │   └── WorkerLeftError    its receiver ended while the process lives on
     │   └── SenderDiedError    the trainer died (worker side)
     ├── WeightsError           bad weights given to ``send`` (also ``ValueError``)
     ├── WorkerError            a worker rejected a payload; it kept its old weights
     ├── WorkerProcessError     a worker function started by ``spawn_workers`` raised
+    ├── CapacityError          no shared-memory slot can be freed under ``max_slots``
     └── SyncTimeoutError       a wait ran out of time (also ``TimeoutError``)
 """
 
@@ -21,12 +23,14 @@ from collections.abc import Mapping
 __all__ = [
     "AsyncSyncError",
     "BrokenChannelError",
+    "CapacityError",
     "ClosedError",
     "SenderDiedError",
     "SyncTimeoutError",
     "WeightsError",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerLeftError",
     "WorkerProcessError",
     "WouldBlock",
 ]
@@ -65,6 +69,28 @@ class WorkerDiedError(BrokenChannelError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), (self.worker_idx, self.exitcode, self.pid))
+
+
+class WorkerLeftError(WorkerDiedError):
+    """A worker's receiver ended (``aclose()``, a crash of its task) while its process lives on.
+
+    ``reason`` says why; the worker kept its last weights (detached from shared memory).
+    """
+
+    def __init__(self, worker_idx: int, reason: str, version: int = -1, pid: int | None = None) -> None:
+        self.reason = reason
+        self.version = version
+        super().__init__(worker_idx, None, pid)
+        who = f"worker {worker_idx}" + (f" (pid {pid})" if pid else "")
+        self.args = (f"{who} left at version {version}: {reason}",)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.worker_idx, self.reason, self.version, self.pid))
+
+
+class CapacityError(AsyncSyncError):
+    """A send needs a free shared-memory slot, ``max_slots`` allows no more, and no
+    outstanding answer can free one (raise ``max_slots`` or leave it at its default)."""
 
 
 class SenderDiedError(BrokenChannelError):

@@ -37,23 +37,70 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _storage_key(t: torch.Tensor) -> tuple[object, ...] | None:
+    """What makes two tensors one: same storage, offset, shape, stride, dtype, device.
+
+    ``None`` for tensors that cannot alias anything worth sharing (empty, meta, sparse,
+    storage-less): they always stay keys of their own.
+    """
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
 @dataclass(frozen=True)
 class Layout:  # not slots: cached_property needs the instance dict
-    """An ordered set of :class:`TensorSpec` and the total buffer size in bytes."""
+    """An ordered set of :class:`TensorSpec`, the total buffer size in bytes, and aliases.
+
+    *aliases* holds ``(alias, canonical)`` pairs: names of tensors tied to another key
+    (``head.weight`` tied to ``emb.weight``). An alias gets no bytes; it travels as its
+    canonical key. ``specs``, ``keys`` and ``index`` hold canonical keys only.
+    """
 
     specs: tuple[TensorSpec, ...]
     nbytes: int
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.aliases:
+            keys = {s.key for s in self.specs}
+            for alias, canonical in self.aliases:
+                if alias in keys:
+                    raise ValueError(f"alias {alias!r} is also a key of the layout")
+                if canonical not in keys:
+                    raise ValueError(f"alias {alias!r} names {canonical!r}, which is not a key of the layout")
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], dtype_map: Mapping[torch.dtype, torch.dtype] | None = None) -> Layout:
-        """Build the layout of *tensors*; *dtype_map* changes the dtype on the wire."""
-        return cls.from_shapes(((k, tuple(t.shape), t.dtype) for k, t in tensors.items()), dtype_map)
+        """Build the layout of *tensors*; *dtype_map* changes the dtype on the wire.
+
+        A key whose tensor is a view of exactly the same memory as an earlier key's
+        (tied weights: a ``state_dict`` lists every name of a tied tensor) becomes an
+        alias of that earlier key and gets no bytes.
+        """
+        first: dict[tuple[object, ...], str] = {}
+        aliases: list[tuple[str, str]] = []
+        items: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        for key, t in tensors.items():
+            sk = _storage_key(t)
+            if sk is not None:
+                canonical = first.setdefault(sk, key)
+                if canonical != key:
+                    aliases.append((key, canonical))
+                    continue
+            items.append((key, tuple(t.shape), t.dtype))
+        return cls.from_shapes(items, dtype_map, aliases)
 
     @classmethod
     def from_shapes(
         cls,
         items: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
         dtype_map: Mapping[torch.dtype, torch.dtype] | None = None,
+        aliases: Iterable[tuple[str, str]] = (),
     ) -> Layout:
         by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
         for key, shape, dtype in items:
@@ -70,16 +117,37 @@ class Layout:  # not slots: cached_property needs the instance dict
                     numel *= d
                 specs.append(TensorSpec(key, shape, dtype, offset, numel))
                 offset += numel * size
-        return cls(tuple(specs), -(-offset // _ALIGN) * _ALIGN)
+        return cls(tuple(specs), -(-offset // _ALIGN) * _ALIGN, tuple(aliases))
 
     @cached_property
     def keys(self) -> list[str]:
+        """Canonical keys, in buffer order."""
         return [s.key for s in self.specs]
 
     @cached_property
     def index(self) -> dict[str, TensorSpec]:
-        """``key -> spec``."""
+        """``key -> spec`` (canonical keys only)."""
         return {s.key: s for s in self.specs}
+
+    @cached_property
+    def alias_map(self) -> dict[str, str]:
+        """``alias -> canonical key``."""
+        return dict(self.aliases)
+
+    def canonical(self, key: str) -> str:
+        """The key *key* travels under: itself, or the key it is an alias of."""
+        return self.alias_map.get(key, key)
+
+    def aliases_of(self, key: str) -> tuple[str, ...]:
+        """The other names of canonical *key* (``()`` for an untied key)."""
+        return self._aliases_by_key.get(key, ())
+
+    @cached_property
+    def _aliases_by_key(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, tuple[str, ...]] = {}
+        for alias, canonical in self.aliases:
+            out[canonical] = (*out.get(canonical, ()), alias)
+        return out
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of every tensor inside *buffer* (a uint8 tensor of ``nbytes``)."""
@@ -89,7 +157,11 @@ class Layout:  # not slots: cached_property needs the instance dict
         return out
 
     def describe(self, key: str) -> str:
-        for s in self.specs:
-            if s.key == key:
-                return f"{key}: {tuple(s.shape)} {str(s.dtype).replace('torch.', '')}"
+        """``"key: (shape) dtype"``; an alias also names its canonical key."""
+        s = self.index.get(key)
+        if s is not None:
+            return f"{key}: {tuple(s.shape)} {str(s.dtype).replace('torch.', '')}"
+        canonical = self.alias_map.get(key)
+        if canonical is not None:
+            return f"{key} (alias of {self.describe(canonical)})"
         return key

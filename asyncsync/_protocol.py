@@ -2,8 +2,9 @@
 
 Sender -> worker: :class:`Setup` (once per connection), :class:`MapSlots` (followed by
 the slots' file descriptors), :class:`Receive` (apply the weights of ``version`` that
-sit in ``slot``), :class:`Stop`. Worker -> sender: :class:`Hello`, :class:`Ack`, and
-:class:`Staged` (manual commit mode).
+sit in ``slot``; at most one is outstanding per worker), :class:`Stop`. Worker -> sender:
+:class:`Hello`, :class:`Ack`, :class:`Staged` (manual commit mode) and :class:`Bye` (the
+receiver ends, its weights already detached from every shared slot).
 Every instruction names exactly the weights it refers to (slot and version), so a
 late or repeated message can never make a worker apply the wrong version.
 """
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 from ._layout import Layout
 
-__all__ = ["Ack", "Hello", "MapSlots", "Receive", "Setup", "Staged", "Stop"]
+__all__ = ["Ack", "Bye", "Hello", "MapSlots", "Receive", "Setup", "Staged", "Stop"]
 
 
 class Hello(NamedTuple):
@@ -41,11 +42,12 @@ class MapSlots(NamedTuple):
 
 
 class Receive(NamedTuple):
-    """Apply version ``version`` found in ``slot``; ``keys`` limits a partial update."""
+    """Apply version ``version`` found in ``slot``; ``skipped``: versions sent to this
+    worker since its previous ``Receive`` that it will never see (latest wins)."""
 
     version: int
     slot: int
-    keys: tuple[str, ...] | None = None
+    skipped: int = 0
 
 
 class Stop(NamedTuple):
@@ -78,3 +80,11 @@ class Staged(NamedTuple):
     worker_idx: int
     version: int
     holds: int | None
+
+
+class Bye(NamedTuple):
+    """The receiver ends (``reason``) at ``version``; it holds no shared slot any more."""
+
+    worker_idx: int
+    version: int
+    reason: str

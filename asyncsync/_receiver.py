@@ -1,9 +1,13 @@
 """The receiver: a task in the worker's own event loop that stages and commits weights.
 
-Per instruction: take the newest ``Receive`` waiting (latest wins), stage its weights on
-the worker's device off the loop, then commit in one step between two awaits (a pointer
-swap or an in-place copy), then acknowledge. A forward pass that does not await in the
-middle therefore never sees two versions mixed.
+Per instruction: take the ``Receive`` (the sender keeps at most one outstanding and sends
+the newest next), stage its weights on the worker's device off the loop, then commit in
+one step between two awaits (a pointer swap or an in-place copy), then acknowledge. A
+forward pass that does not await in the middle therefore never sees two versions mixed.
+Which tensors are live, pending or being staged is kept by :class:`~._ownership.BufferRoles`:
+a set is never two of these at once, so staging never writes what the model runs or what
+waits for ``commit()``. When the receiver ends, for any reason, weights that view a shared
+slot are copied into the worker's own memory first: later sends never change the model.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from torch import nn
 
 from ._errors import BrokenChannelError, ClosedError, SenderDiedError, SyncTimeoutError, WouldBlock
 from ._layout import Layout
-from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Staged, Stop
+from ._ownership import BufferRoles, Weights
+from ._protocol import Ack, Bye, Hello, MapSlots, Receive, Setup, Staged, Stop
 from ._queues import AsyncQueue
 from ._shm import Segment
 from ._signal import Signal
 from ._staging import Stager, copy_tensors
 from ._stats import ReceiverStatistics
-from ._strategy import Strategy, as_user_weights, named_tensors
+from ._strategy import Strategy, as_user_weights, bind_targets
 
 __all__ = ["Receiver"]
 
@@ -38,17 +43,6 @@ logger = logging.getLogger("asyncsync")
 Commit = Literal["swap", "copy"]
 CommitMode = Literal["auto", "manual"]
 OnUpdate = Callable[[Any, int], "Awaitable[None] | None"]
-
-
-class _Staged:
-    """One version staged and ready to commit."""
-
-    def __init__(self, version: int, tensors: dict[str, torch.Tensor], holds: int | None, stage_s: float, skipped: int) -> None:
-        self.version = version
-        self.tensors = tensors
-        self.holds = holds
-        self.stage_s = stage_s
-        self.skipped = skipped
 
 
 class Receiver:
@@ -84,24 +78,28 @@ class Receiver:
         self._layout: Layout | None = None
         self._layout_error: str | None = None
         self._targets: dict[str, torch.Tensor] = {}
+        self._roles: BufferRoles | None = None
         self._reads_slot = False
         self._slot_versions: list[int] = []
-        self._spare: dict[str, torch.Tensor] | None = None
         self._device = torch.device("cpu")
         self._stager: Stager | None = None
         self._version = -1
-        self._holds: int | None = None
-        self._pending: _Staged | None = None
+        self._pending_stage_s = 0.0
         self._updates = 0
         self._skipped = 0
         self._rejected = 0
         self._responded = -1
         self.last_error: str | None = None
+        self._callback_errors = 0
+        self._last_callback_error: str | None = None
+        self._callback_tasks: set[asyncio.Task[Any]] = set()
         self._stage_s = 0.0
         self._commit_s = 0.0
         self._changed = Signal()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
+        self._stopped_by_sender = False
+        self._released = False
         self._state = "new"
 
     # ----------------------------------------------------------------- public API
@@ -110,6 +108,10 @@ class Receiver:
     def version(self) -> int:
         """Version the model runs now (-1 before the first weights arrive)."""
         return self._version
+
+    @property
+    def _pending(self) -> Weights | None:
+        return self._roles.pending if self._roles is not None else None
 
     @property
     def update_pending(self) -> bool:
@@ -135,11 +137,13 @@ class Receiver:
         return self._version
 
     async def wait_for_version(self, version: int, *, timeout: float | None | object = ...) -> int:
-        """Wait until the model runs *version* or newer; return the version it runs."""
+        """Wait until the model runs *version* or newer, or has it staged (manual mode);
+        return the version the model runs."""
         limit = self.timeout if timeout is ... else timeout
 
         def reached() -> bool:
-            staged = self._pending is not None and self._pending.version >= version
+            pending = self._pending
+            staged = pending is not None and pending.version >= version
             return self._version >= version or staged or self._ended()
 
         if not await self._changed.wait_until(reached, limit):  # type: ignore[arg-type]
@@ -152,10 +156,10 @@ class Receiver:
         Call it at a safe point (between env steps or batches). It does not await, so
         it is atomic with respect to everything else on the loop.
         """
-        staged, self._pending = self._pending, None
+        staged = self._roles.take_pending() if self._roles is not None else None
         if staged is None:
             return None
-        self._commit(staged)
+        self._commit(staged, self._pending_stage_s)
         return staged.version
 
     async def wait_stopped(self) -> None:
@@ -171,19 +175,26 @@ class Receiver:
         return self._task is not None and self._task.done()
 
     def statistics(self) -> ReceiverStatistics:
+        pending = self._pending
         return ReceiverStatistics(
             worker_idx=self.worker_idx,
             version=self._version,
-            pending_version=None if self._pending is None else self._pending.version,
+            pending_version=None if pending is None else pending.version,
             updates=self._updates,
             skipped=self._skipped,
             rejected=self._rejected,
             last_stage_ms=self._stage_s * 1e3,
             last_commit_ms=self._commit_s * 1e3,
+            callback_errors=self._callback_errors,
+            last_callback_error=self._last_callback_error,
         )
 
     async def aclose(self) -> None:
-        """End the receiver task and close the channel (idempotent). The model keeps its weights."""
+        """End the receiver task and close the channel (idempotent).
+
+        The model keeps its weights: any that view a shared slot are first copied into
+        this process's memory, so the sender's later sends never change them.
+        """
         if self._state == "closed":
             return
         self._state = "closed"
@@ -191,7 +202,11 @@ class Receiver:
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])
-        self._close_resources()
+        self._release("the worker closed its receiver")
+        for t in list(self._callback_tasks):
+            t.cancel()
+        if self._callback_tasks:
+            await asyncio.wait(list(self._callback_tasks))
 
     def __del__(self) -> None:
         task = getattr(self, "_task", None)
@@ -213,27 +228,31 @@ class Receiver:
         raise ClosedError(f"receiver of worker {self.worker_idx} stopped")
 
     async def _run(self) -> None:
+        reason = "the worker closed its receiver"
         try:
             while True:
                 batch = [await self._queue.get()]
-                # Drain what is already waiting (latest wins), but stop at MapSlots: its
-                # descriptors follow on the socket and must be read before any message.
+                # Drain what is already waiting, but stop at MapSlots: its descriptors
+                # follow on the socket and must be read before any message.
                 while not isinstance(batch[-1], (MapSlots, Stop)):
                     try:
                         batch.append(self._queue.get_nowait())
                     except WouldBlock:
                         break
                 if await self._handle(batch):
+                    self._stopped_by_sender = True
                     return
         except BrokenChannelError as exc:
             self._error = SenderDiedError(f"worker {self.worker_idx}: the sender is gone ({exc}); keeping version {self._version}")
+            self._stopped_by_sender = True
         except ClosedError:
             pass
         except Exception as exc:  # a bug: make it visible to whoever awaits the receiver
             self._error = exc
+            reason = f"its receiver task failed: {exc!r}"
             raise
         finally:
-            self._close_resources()
+            self._release(reason)
             self._changed.notify()
 
     async def _handle(self, batch: list[Any]) -> bool:
@@ -259,41 +278,34 @@ class Receiver:
     def _on_setup(self, msg: Setup) -> None:
         self._layout = msg.layout
         self._layout_error = None
-        self._spare = None
         self._slot_views.clear()
         if self.model is None:
             self._layout_error = "the worker has no model to apply weights to"
             return
-        targets = named_tensors(self.model)
-        device = self._device_override or (torch.device(msg.device) if msg.device else None)
-        if device is None:
-            device = next(iter(targets.values())).device if targets else torch.device("cpu")
-        self._device = device
-        problems = []
-        wire = {s.key: s for s in msg.layout.specs}
-        for key, spec in wire.items():
-            t = targets.get(key)
-            if t is None:
-                problems.append(f"unexpected key {msg.layout.describe(key)}")
-            elif tuple(t.shape) != spec.shape:
-                problems.append(f"{key!r}: sent shape {spec.shape}, model has {tuple(t.shape)}")
-            elif t.dtype != spec.dtype and not (t.dtype.is_floating_point and spec.dtype.is_floating_point):
-                problems.append(f"{key!r}: sent dtype {spec.dtype}, model has {t.dtype}")
-        missing = [k for k in targets if k not in wire]
-        if missing:
-            problems.append("model keys not sent: " + ", ".join(f"{k}: {tuple(targets[k].shape)}" for k in missing[:8]))
+        targets, problems = bind_targets(self.model, msg.layout)
         if problems:
             self._layout_error = "payload does not fit the model: " + "; ".join(problems[:16])
             return
-        for t in targets.values():
-            if t.device != device:
-                with torch.no_grad():
-                    t.data = t.data.to(device)
-        self._targets = {k: targets[k] for k in wire}
+        device = self._device_override or (torch.device(msg.device) if msg.device else None)
+        if device is None:
+            device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        try:
+            if any(t.device != device for t in targets.values()):
+                self.model.to(device)  # keeps Parameter identity; moves unsent buffers too
+        except Exception as exc:  # e.g. a CUDA device this process cannot use
+            self._layout_error = f"cannot place the model on {device}: {exc}"
+            return
+        self._device = device
+        self._targets = targets
+        self._roles = BufferRoles(Weights(self._version, {k: t.data for k, t in targets.items()}), self._allocate_set)
         # The slot already holds the model's dtypes on the model's device (CPU): commit
         # straight from it, by pointer swap (zero copy) or by an in-place copy. Otherwise
         # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype).
         self._reads_slot = device.type == "cpu" and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
+
+    def _allocate_set(self) -> dict[str, torch.Tensor]:
+        """A private set of device buffers shaped like the model."""
+        return {k: torch.empty_like(t, device=self._device) for k, t in self._targets.items()}
 
     def _get_stager(self) -> Stager:
         if self._stager is None:
@@ -301,81 +313,76 @@ class Receiver:
         return self._stager
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
-        if self._layout is None or self._layout_error is not None:
+        live_slot = self._roles.live.slot if self._roles is not None else None
+        if self._layout is None or self._layout_error is not None or self._roles is None:
             self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, self._layout_error or "no layout received", self._holds))
+            self._ack(Ack(self.worker_idx, msg.version, False, self._layout_error or "no layout received", live_slot))
             return
+        roles = self._roles
         seg = self._segments.get(msg.slot)
         if seg is None:
             self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} was never mapped", self._holds))
+            self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} was never mapped", live_slot))
             return
         views = self._slot_views.get(msg.slot)
         if views is None:
             views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
         t0 = time.perf_counter()
+        staged: Weights | None
         if self._reads_slot:
-            staged = _Staged(msg.version, views, msg.slot, 0.0, skipped)
+            staged = Weights(msg.version, views, msg.slot)
         else:
-            buffers = self._staging_buffers()
-            stager = self._get_stager()
-            keys = list(views)
-            stager.pin(seg.buf)
-            await stager.copy([buffers[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
-            staged = _Staged(msg.version, buffers, None, time.perf_counter() - t0, skipped)
-        if self._pending is not None:
-            self._skipped += 1
+            staging = roles.begin_staging(msg.version)
+            done = False
+            try:
+                stager = self._get_stager()
+                keys = list(views)
+                stager.pin(seg.buf)
+                await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
+                done = True
+            finally:
+                staged = roles.end_staging(done)
+        assert staged is not None
+        stage_s = time.perf_counter() - t0 if not self._reads_slot else 0.0
+        self._skipped += msg.skipped + skipped
         if self.commit_mode == "manual":
-            self._pending = staged
-            self._send(Staged(self.worker_idx, staged.version, staged.holds))  # older slots go back
+            if roles.pending is not None:
+                self._skipped += 1  # staged, never committed, superseded
+            roles.stage(staged)
+            self._pending_stage_s = stage_s
+            self._send(Staged(self.worker_idx, staged.version, staged.slot))  # older slots go back
             self._changed.notify()
         else:
-            self._commit(staged)
+            self._commit(staged, stage_s)
         self._release_transient()
 
-    def _staging_buffers(self) -> dict[str, torch.Tensor]:
-        """A second set of device buffers shaped like the model (allocated once)."""
-        if self._spare is None:
-            self._spare = {k: torch.empty_like(t, device=self._device) for k, t in self._targets.items()}
-        return self._spare
-
-    def _commit(self, staged: _Staged) -> None:
+    def _commit(self, staged: Weights, stage_s: float) -> None:
+        assert self._roles is not None
+        roles = self._roles
         t0 = time.perf_counter()
-        holds: int | None
         targets = self._targets
-        tensors = staged.tensors
-        if self._holds is not None:
+        if roles.live.slot is not None:
             self._check_untouched()
         if self.commit_kind == "swap":
             with torch.no_grad():
-                if staged.holds is None and self._holds is None:
-                    # The model's former private buffers become the next staging area.
-                    previous = {}
-                    for key, t in targets.items():
-                        previous[key] = t.data
-                        t.data = tensors[key]
-                    self._spare = previous
-                else:
-                    for key, t in targets.items():
-                        t.data = tensors[key]
-                    if staged.holds is None:
-                        self._spare = None  # the former buffers were a shared slot's views
-            holds = staged.holds
+                for key, t in targets.items():
+                    t.data = staged.tensors[key]
+            roles.committed(staged, consumed=None)
         else:
             keys = list(targets)
-            copy_tensors([targets[k] for k in keys], [tensors[k] for k in keys])
-            holds = None
-        self._holds = holds
+            copy_tensors([targets[k] for k in keys], [staged.tensors[k] for k in keys])
+            roles.committed(Weights(staged.version, roles.live.tensors, None), consumed=staged)
+        roles.check({k: t.data for k, t in targets.items()})
+        holds = roles.live.slot
         if holds is not None:
             # Parameters now view a shared slot: remember their version counters to notice
             # in-place writes (they would reach every worker reading that slot).
             self._slot_versions = [t._version for t in targets.values()]
         self._version = staged.version
         self._commit_s = time.perf_counter() - t0
-        self._stage_s = staged.stage_s
+        self._stage_s = stage_s
         self._updates += 1
-        self._skipped += staged.skipped
-        self._ack(Ack(self.worker_idx, staged.version, True, None, holds, staged.stage_s, self._commit_s))
+        self._ack(Ack(self.worker_idx, staged.version, True, None, holds, stage_s, self._commit_s))
         self._changed.notify()
         self._run_callbacks(staged.version)
 
@@ -390,18 +397,36 @@ class Receiver:
             )
 
     def _run_callbacks(self, version: int) -> None:
-        if self.on_update is None and not hasattr(self.context, "update_policy_weights_"):
+        """Call ``update_policy_weights_`` and ``on_update``; an exception is logged and counted,
+        never allowed to end the receiver."""
+        has_cascade = self.context is not None and hasattr(self.context, "update_policy_weights_")
+        if self.on_update is None and not has_cascade:
             return
-        weights = as_user_weights({k: t.data for k, t in self._targets.items()}, self.strategy)
-        if self.context is not None and hasattr(self.context, "update_policy_weights_"):
-            self.context.update_policy_weights_(weights)
-        if self.on_update is not None:
-            result = self.on_update(weights, version)
-            if inspect.isawaitable(result):
-                asyncio.ensure_future(result)
+        weights = as_user_weights({k: t.data for k, t in self._targets.items()}, self.strategy, self._layout)
+        try:
+            if has_cascade:
+                self.context.update_policy_weights_(weights)
+            if self.on_update is not None:
+                result = self.on_update(weights, version)
+                if inspect.isawaitable(result):
+                    task = asyncio.ensure_future(result)
+                    self._callback_tasks.add(task)
+                    task.add_done_callback(self._callback_done)
+        except Exception as exc:
+            self._callback_failed(exc)
+
+    def _callback_done(self, task: asyncio.Task[Any]) -> None:
+        self._callback_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._callback_failed(task.exception())  # type: ignore[arg-type]
+
+    def _callback_failed(self, exc: BaseException) -> None:
+        self._callback_errors += 1
+        self._last_callback_error = f"{type(exc).__name__}: {exc}"
+        logger.error("worker %d: on_update callback raised (the receiver goes on)", self.worker_idx, exc_info=exc)
 
     def _release_transient(self) -> None:
-        live = {self._holds, None if self._pending is None else self._pending.holds}
+        live = self._roles.views_slot() if self._roles is not None else set()
         for sid in [s for s in self._transient if s not in live]:
             self._transient.discard(sid)
             self._slot_views.pop(sid, None)
@@ -417,16 +442,28 @@ class Receiver:
             self._changed.notify()
         self._send(ack)
 
-    def _send(self, msg: Ack | Staged) -> None:
+    def _send(self, msg: Ack | Staged | Bye) -> None:
         try:
             self._queue.put_nowait(msg)
-        except (BrokenChannelError, ClosedError):
+        except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the read side notices the sender's death
 
-    def _close_resources(self) -> None:
+    def _release(self, reason: str) -> None:
+        """The receiver ends: detach from shared slots, say goodbye, close (once)."""
+        if self._released:
+            return
+        self._released = True
+        if self._roles is not None:
+            roles = self._roles
+            with torch.no_grad():
+                if roles.detach(lambda ts: {k: t.clone() for k, t in ts.items()}):
+                    for key, t in self._targets.items():
+                        t.data = roles.live.tensors[key]
+        if not self._stopped_by_sender:
+            self._send(Bye(self.worker_idx, self._version, reason))
         self._queue.close()
         for seg in self._segments.values():
-            seg.close()  # mappings the model still points into stay alive with it
+            seg.close()  # a pending set still viewing a slot was copied above
         self._segments.clear()
         self._slot_views.clear()
         if self._stager is not None:

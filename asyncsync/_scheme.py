@@ -32,9 +32,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ._errors import WeightsError
 from ._layout import Layout
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
-from ._sender import OnWorkerError, Sender
+from ._sender import ModelRef, OnWorkerError, Sender
 from ._slots import SlotPool
 from ._stats import ReceiverStatistics, SenderStatistics
 from ._strategy import STRATEGIES, Strategy, as_user_weights, resolve_model, to_flat
@@ -55,12 +56,15 @@ class MultiProcessWeightSyncScheme:
         transport: ``"shm"`` (default: shared-memory slots allocated once and reused, one
             copy per send whatever the number of workers) or ``"queue"`` (a fresh
             shared-memory segment travels with every message, as with torch pickling).
-        num_slots: slots allocated at connect (``"shm"``); more slots let more
-            ``send_async`` calls overlap. Memory: ``num_slots`` x model size. Default 2,
-            or 3 with ``commit_mode="manual"`` (one live, one staged, one being written,
-            so the trainer never waits for a worker's commit).
-        max_slots: upper bound when workers sit on different versions (``worker_ids``
-            subsets); default ``num_workers + num_slots``.
+        num_slots: slots allocated at connect (``"shm"``) and kept. Default 2, or 3 with
+            ``commit_mode="manual"`` (one live, one staged, one being written).
+            When lagging workers or subset sends hold them all, overflow slots are added
+            and freed again once nobody holds them.
+        max_slots: cap on slots allocated at once. Default None: only the ownership
+            bound ``k·W + L + G + 1`` applies (see docs/overview.md), and a send never
+            waits for a worker. With a cap, a send may wait (within its timeout) for a
+            lagging worker to release a slot, and raises :class:`CapacityError` when no
+            answer outstanding could free one.
         commit: on the worker, ``"swap"`` points the parameters at the new weights (no
             second copy; on CPU they view the shared slot) or ``"copy"`` copies in place so
             parameter addresses stay stable (CUDA graphs, compiled modules).
@@ -103,6 +107,10 @@ class MultiProcessWeightSyncScheme:
         self.timeout = timeout
         self.transport: Transport = transport
         self.num_slots = num_slots if num_slots is not None else (3 if commit_mode == "manual" else 2)
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_slots is not None and max_slots < self.num_slots:
+            raise ValueError(f"max_slots ({max_slots}) must be >= num_slots ({self.num_slots})")
         self.max_slots = max_slots
         self.commit_kind: Commit = commit
         self.commit_mode: CommitMode = commit_mode
@@ -170,7 +178,10 @@ class MultiProcessWeightSyncScheme:
             ctx = mp.get_context("spawn")
         elif not isinstance(ctx, mp.context.BaseContext):
             raise TypeError(f"ctx must be a multiprocessing context, got {type(ctx).__name__}")
-        if model is None and weights is None and params_map is None:
+        elif ctx.get_start_method() == "fork":
+            raise ValueError("asyncsync workers need the 'spawn' (or 'forkserver') start method, not 'fork'")
+        by_context = model is None and weights is None and params_map is None
+        if by_context:
             model = resolve_model(context, model_id)
             if model is None:
                 raise ValueError(
@@ -185,7 +196,7 @@ class MultiProcessWeightSyncScheme:
         if devices is not None:
             seq = devices if isinstance(devices, Mapping) else dict(zip(ids, devices))
             for i in ids:
-                device_of[i] = str(torch.device(seq[i]))
+                device_of[i] = str(_check_device(torch.device(seq[i]), f"worker {i}"))
 
         if params_map is not None:
             flat_map = {i: to_flat(params_map[i]) for i in ids}
@@ -194,8 +205,10 @@ class MultiProcessWeightSyncScheme:
             first = flat_map[ids[0]]
             sources = dict(params_map)
         else:
-            src = model if model is not None else weights
+            src: Any = model if model is not None else weights
             first = to_flat(src)
+            if by_context:  # looked up at every send, as torchrl does
+                src = ModelRef(lambda: _lookup(context, model_id))
             sources = {i: src for i in ids}
 
         if not first:
@@ -215,7 +228,7 @@ class MultiProcessWeightSyncScheme:
         pool = SlotPool(
             wire_layout,
             num_slots=self.num_slots,
-            max_slots=self.max_slots if self.max_slots is not None else len(ids) + self.num_slots,
+            max_slots=self.max_slots,
             reuse=self.transport == "shm",
         )
         self.model_id = model_id
@@ -230,6 +243,7 @@ class MultiProcessWeightSyncScheme:
             timeout=self.timeout,
             on_worker_error=self.on_worker_error,
             check_finite=self.check_finite,
+            manual=self.commit_mode == "manual",
             ctx=ctx,
         )
 
@@ -298,6 +312,11 @@ class MultiProcessWeightSyncScheme:
         device chosen on the sender (``devices`` / ``params_map`` / ``device_map_fn``);
         by default the model's own device.
         """
+        if self._sender is not None and not self._sender.in_owner_process():
+            raise RuntimeError(
+                "this scheme reached the worker by fork: asyncsync workers need the 'spawn' (or 'forkserver') "
+                "start method, which pickles the scheme with the worker's own channel"
+            )
         if self._sender is not None or self._receiver is not None:
             raise RuntimeError("this scheme is already initialised")
         if model is None:
@@ -361,7 +380,11 @@ class MultiProcessWeightSyncScheme:
             await self._receiver.aclose()
 
     async def __aenter__(self) -> MultiProcessWeightSyncScheme:
-        await self.connect()
+        try:
+            await self.connect()
+        except BaseException:
+            await self.aclose()  # no reader task, slot or connected worker left behind
+            raise
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -396,10 +419,20 @@ class MultiProcessWeightSyncScheme:
         return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 
     async def send_async(
-        self, weights: Any = None, worker_ids: int | Iterable[int] | None = None, *, partial: bool = False
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        partial: bool = False,
+        timeout: float | None = _DEFAULT,
     ) -> int:
-        """Push weights without waiting for acks; returns the version (see :meth:`wait_async`)."""
-        return await self.sender.send_async(weights, worker_ids, partial=partial)
+        """Push weights without waiting for acks; returns the version (see :meth:`wait_async`).
+
+        A worker still busy with an earlier version gets this one when it answers (latest
+        wins); the call never waits for a worker. *timeout* bounds the wait for a free
+        slot, which only happens with a ``max_slots`` cap.
+        """
+        return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
 
     async def wait_async(
         self,
@@ -454,7 +487,30 @@ class _Endpoint:
     @staticmethod
     def _rebuild(reduced: tuple[Any, tuple[Any, ...]]) -> _Endpoint:
         fn, args = reduced
-        return _Endpoint(fn(*args))
+        try:
+            return _Endpoint(fn(*args))
+        except (EOFError, OSError, KeyError) as exc:
+            raise RuntimeError(
+                "a worker's channel end can be unpickled once, by one process: this scheme was already "
+                "unpickled elsewhere (pickle the scheme once per worker process)"
+            ) from exc
+
+
+def _lookup(context: Any, model_id: str | None) -> nn.Module:
+    model = resolve_model(context, model_id)
+    if model is None:
+        raise WeightsError(f"context.{model_id} is no longer an nn.Module; nothing to send")
+    return model
+
+
+def _check_device(device: torch.device, who: str) -> torch.device:
+    """Fail before anything starts if a CUDA device cannot be used on this host."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{who}: device {device} requested, but CUDA is not available on this host")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{who}: device {device} requested, but this host has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

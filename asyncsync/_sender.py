@@ -1,9 +1,11 @@
-"""The sender: per-worker state, ``send`` / ``send_async`` / ``wait_async``, acks, liveness.
+"""The sender: per-worker links, ``send`` / ``send_async`` / ``wait_async``, acks, liveness.
 
-Every send copies the weights once into a shared-memory slot (a :class:`~._slots.SlotPool`
-decides which) and publishes ``Receive(version, slot)`` to each targeted worker. A reader
-task per worker turns the worker's acks into state; waiters only look at that state, so a
-cancelled wait never loses an ack.
+Every send copies the weights once into a free shared-memory slot and makes it the newest
+version of each targeted worker. A worker has at most one ``Receive`` outstanding; when it
+answers, it is handed its newest version (latest wins), so a slow worker holds at most its
+live slot and one in flight and never slows a send. Slot ownership is kept by a
+:class:`~._ownership.SlotLedger`. A reader task per connection turns the worker's answers
+into state; waiters only look at that state, so a cancelled wait never loses an ack.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import multiprocessing as mp
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -23,14 +25,18 @@ import torch
 
 from ._errors import (
     BrokenChannelError,
+    CapacityError,
     ClosedError,
     SyncTimeoutError,
     WeightsError,
     WorkerDiedError,
     WorkerError,
+    WorkerLeftError,
+    WouldBlock,
 )
 from ._layout import Layout
-from ._protocol import Ack, Hello, MapSlots, Receive, Setup, Staged, Stop
+from ._ownership import Ref, SlotLedger
+from ._protocol import Ack, Bye, Hello, MapSlots, Receive, Setup, Staged, Stop
 from ._queues import AsyncQueue
 from ._signal import Signal
 from ._slots import Slot, SlotPool
@@ -41,44 +47,58 @@ from ._strategy import to_flat, validate
 __all__ = ["Sender"]
 
 OnWorkerError = Literal["raise", "skip"]
+Timeout = float | None
 
 # Copies larger than this run in the sender's copy thread so the trainer's loop keeps going.
 _THREAD_COPY_BYTES = 4 << 20
 
 
+class _Link:
+    """One connection (generation) to one worker: its channel and what it answered."""
+
+    def __init__(self, generation: int, conn: Connection, child_conn: Connection) -> None:
+        self.generation = generation
+        self.conn = conn
+        self.child_conn: Connection | None = child_conn
+        self.queue: AsyncQueue[Any] = AsyncQueue(conn)
+        self.pid: int | None = None
+        self.applied = -1
+        self.responded = -1
+        self.rejected = -1  # newest version this connection rejected
+        self.last_error: str | None = None
+        self.mapped: set[int] = set()
+        self.delivered_sends = 0  # w.sends at the last delivery on this connection
+        self.stage_s = 0.0
+        self.commit_s = 0.0
+        self.bye: Bye | None = None
+        self.lost = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+
 class _Worker:
-    """Sender-side state of one worker."""
+    """Sender-side state of one worker id, across its connections."""
 
     def __init__(self, idx: int, device: str | None) -> None:
         self.idx = idx
         self.device = device
-        self.state = "waiting"
-        self.conn: Connection | None = None
-        self.child_conn: Connection | None = None
-        self.queue: AsyncQueue[Any] | None = None
-        self.pid: int | None = None
+        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.link: _Link | None = None
+        self.generation = 0
+        self.sent = -1
+        self.sends = 0  # versions published to this worker id
         self.exitcode: int | None = None
         self.process: Any = None
         self.sentinel: int | None = None
-        self.sent = -1
-        self.applied = -1
-        self.responded = -1
-        self.last_error: str | None = None
-        self.pending: dict[int, int] = {}  # version -> slot id, sent and not yet acked
-        self.latest_slot: int | None = None
-        self.live_slot: int | None = None
-        self.mapped: set[int] = set()
-        self.stage_s = 0.0
-        self.commit_s = 0.0
-        self.tasks: list[asyncio.Task[None]] = []
         self.death: WorkerDiedError | None = None
-
-    def slots_in_use(self) -> Iterable[int | None]:
-        yield self.latest_slot
-        yield self.live_slot
-        yield from self.pending.values()
+        self.death_generation = 0
+        self.pid: int | None = None
 
 
+class ModelRef:
+    """A model looked up at every send (``context`` + ``model_id``), as torchrl does."""
+
+    def __init__(self, resolve: Callable[[], Any]) -> None:
+        self.resolve = resolve
 
 
 class Sender:
@@ -97,21 +117,24 @@ class Sender:
         timeout: float | None,
         on_worker_error: OnWorkerError,
         check_finite: bool,
+        manual: bool,
         ctx: mp.context.BaseContext,
     ) -> None:
         self._source_layout = source_layout
         self._layout = wire_layout
         self._sources = sources  # worker id -> what send(weights=None) reads for it
         self._pool = pool
+        self._ledger = SlotLedger(manual=manual)
         self.sync = sync
         self.timeout = timeout
         self.on_worker_error = on_worker_error
         self.check_finite = check_finite
         self._ctx = ctx
+        self._pid = os.getpid()
         self._workers: dict[int, _Worker] = {}
         for idx in worker_ids:
             w = _Worker(idx, devices.get(idx))
-            self._new_channel(w)
+            self._new_link(w)
             self._workers[idx] = w
         self._state = "new"
         self._version = -1
@@ -120,19 +143,28 @@ class Sender:
         self._last_copy_s = 0.0
         self._changed = Signal()
         self._executor: ThreadPoolExecutor | None = None
+        self._copy_future: Future[None] | None = None
         self._send_lock: asyncio.Lock | None = None
 
     # ----------------------------------------------------------------- channels
 
-    def _new_channel(self, w: _Worker) -> None:
+    def _new_link(self, w: _Worker) -> _Link:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        w.conn, w.child_conn = ours, theirs
-        w.queue = AsyncQueue(ours)
-        w.mapped = set()
+        w.generation += 1
+        w.link = _Link(w.generation, ours, theirs)
+        return w.link
+
+    def in_owner_process(self) -> bool:
+        """False in a child that inherited this sender by fork."""
+        return os.getpid() == self._pid
 
     def child_endpoints(self) -> dict[int, Connection]:
         """The worker ends that are still ours to hand out (pickled with the scheme)."""
-        return {i: w.child_conn for i, w in self._workers.items() if w.child_conn is not None}
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                "this scheme reached a worker by fork: asyncsync workers need the 'spawn' (or 'forkserver') start method"
+            )
+        return {i: w.link.child_conn for i, w in self._workers.items() if w.link is not None and w.link.child_conn is not None}
 
     def watch_process(self, worker_idx: int, process: Any) -> None:
         """Watch *process* (``multiprocessing.Process``-like) as worker *worker_idx*."""
@@ -141,9 +173,8 @@ class Sender:
         w.process = process
         # A private duplicate: one reader per descriptor, and others may wait on the original.
         w.sentinel = os.dup(process.sentinel)
-        if self._state == "running":
-            assert w.queue is not None
-            w.tasks.append(asyncio.get_running_loop().create_task(self._watch_sentinel(w, w.queue)))
+        if self._state == "running" and w.link is not None:
+            w.link.tasks.append(asyncio.get_running_loop().create_task(self._watch_sentinel(w, w.link)))
 
     @staticmethod
     def _drop_sentinel(w: _Worker) -> None:
@@ -152,24 +183,34 @@ class Sender:
             w.sentinel = None
 
     async def wait_joined(self, worker_idx: int, timeout: float | None = None) -> None:
-        """Wait until *worker_idx* is connected and has answered the latest version sent to it."""
+        """Wait until *worker_idx* is connected and answered the latest version sent to it.
+
+        Raises :class:`WorkerError` if the new connection rejected that version.
+        """
         w = self._worker(worker_idx)
+        generation = w.generation
 
         def joined() -> bool:
             if self._state != "running":
                 raise ClosedError("the sender is closed")
-            return w.state == "connected" and w.responded >= w.sent
+            if w.state in ("dead", "left") and w.death is not None and w.death_generation >= generation:
+                raise w.death  # the connection we wait for is already gone
+            link = w.link
+            return w.state == "connected" and link is not None and link.responded >= w.sent
 
         if not await self._changed.wait_until(joined, timeout):
-            raise SyncTimeoutError(f"waiting for worker {worker_idx} to join", {worker_idx: w.applied}, timeout)
-        if w.applied < w.sent:
-            raise WorkerError(worker_idx, w.sent, w.last_error or "rejected")
+            raise SyncTimeoutError(f"waiting for worker {worker_idx} to join", {worker_idx: self._applied(w)}, timeout)
+        link = w.link
+        assert link is not None
+        if link.applied < w.sent:
+            raise WorkerError(worker_idx, link.rejected, link.last_error or "rejected")
 
     async def wait_dead(self, worker_idx: int, timeout: float | None = None) -> None:
         """Wait until the sender has noticed that *worker_idx* is gone."""
         w = self._worker(worker_idx)
-        if not await self._changed.wait_until(lambda: w.state in ("dead", "stopped") or self._state != "running", timeout):
-            raise SyncTimeoutError(f"waiting for worker {worker_idx} to be declared dead", {worker_idx: w.applied}, timeout)
+        gone = ("dead", "left", "stopped")
+        if not await self._changed.wait_until(lambda: w.state in gone or self._state != "running", timeout):
+            raise SyncTimeoutError(f"waiting for worker {worker_idx} to be declared dead", {worker_idx: self._applied(w)}, timeout)
 
     # ----------------------------------------------------------------- public API
 
@@ -185,22 +226,39 @@ class Sender:
     def layout(self) -> Layout:
         return self._layout
 
-    def applied_versions(self) -> dict[int, int]:
-        return {i: w.applied for i, w in self._workers.items()}
+    @property
+    def ledger(self) -> SlotLedger:
+        """Who holds which slot (for debugging and tests)."""
+        return self._ledger
 
-    async def connect(self, timeout: float | None | object = ..., weights: Any = None) -> int:
-        """Start watching the workers, send the initial weights, wait for every ack."""
-        if self._state != "new":
-            raise ClosedError("the sender is closed") if self._state == "closed" else RuntimeError("connect() was already called")
-        self._pool.open()
-        self._state = "running"
-        self._send_lock = asyncio.Lock()
-        loop = asyncio.get_running_loop()
-        for w in self._workers.values():
-            self._start_tasks(w, loop)
-        version = await self.send_async(weights)
-        await self.wait_async(version=version, timeout=timeout, what="connect")
-        return version
+    def applied_versions(self) -> dict[int, int]:
+        return {i: self._applied(w) for i, w in self._workers.items()}
+
+    @staticmethod
+    def _applied(w: _Worker) -> int:
+        return w.link.applied if w.link is not None else -1
+
+    async def connect(self, timeout: Timeout | object = ..., weights: Any = None) -> int:
+        """Start watching the workers, send the initial weights, wait for every ack.
+
+        If the wait times out, calling ``connect()`` again waits for the same initial version.
+        """
+        if self._state not in ("new", "running"):
+            raise ClosedError("the sender is closed")
+        if self._state == "new":
+            self._pool.open(self._ledger)
+            self._state = "running"
+            self._send_lock = asyncio.Lock()
+            loop = asyncio.get_running_loop()
+            for w in self._workers.values():
+                assert w.link is not None
+                self._ledger.connect(w.idx)
+                self._start_tasks(w, w.link, loop)
+        deadline = _deadline(self._limit(timeout))
+        if self._version < 0:
+            await self.send_async(weights, timeout=_remaining(deadline))
+        await self.wait_async(version=0, timeout=_remaining(deadline), what="connect")
+        return 0
 
     async def send(
         self,
@@ -208,60 +266,76 @@ class Sender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: float | None | object = ...,
+        timeout: Timeout | object = ...,
     ) -> int:
-        """Publish *weights*; with ``sync`` wait until every targeted worker applied them."""
+        """Publish *weights*; with ``sync`` wait until every targeted worker applied them.
+
+        *timeout* bounds the whole call: waiting for a free slot and for the acks.
+        """
         targets = self._targets(worker_ids)
-        version = await self.send_async(weights, targets, partial=partial)
+        deadline = _deadline(self._limit(timeout))
+        version = await self.send_async(weights, targets, partial=partial, timeout=_remaining(deadline))
         if self.sync:
-            await self.wait_async(version=version, worker_ids=targets, timeout=timeout, what=f"send of version {version}")
+            await self.wait_async(version=version, worker_ids=targets, timeout=_remaining(deadline), what=f"send of version {version}")
         return version
 
     async def send_async(
-        self, weights: Any = None, worker_ids: int | Iterable[int] | None = None, *, partial: bool = False
+        self,
+        weights: Any = None,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        partial: bool = False,
+        timeout: Timeout | object = ...,
     ) -> int:
         """Copy *weights* into shared memory and publish them; return the new version.
 
-        Returns once the snapshot is taken and the instruction is handed to every
-        targeted worker; acks are collected in the background (see :meth:`wait_async`).
-        With *partial*, *weights* may hold a subset of the keys; the others keep the
-        values each target last received.
+        Returns once the snapshot is taken and each targeted worker will get it (now, or
+        when it answers its current update); acks are collected in the background (see
+        :meth:`wait_async`). With *partial*, *weights* may hold a subset of the keys; the
+        others keep the values each target last received. *timeout* bounds the wait for a
+        free slot (only possible with a ``max_slots`` cap).
         """
         self._check_running()
         targets = self._targets(worker_ids)
         if self.on_worker_error == "raise":
             for i in targets:
                 w = self._workers[i]
-                if w.state == "dead" and w.death is not None:
+                if w.state in ("dead", "left") and w.death is not None:
                     raise w.death
         groups = self._group(weights, targets)
         for flat, _ in groups:
-            validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite)
             if not flat:
                 raise WeightsError("the weights hold no tensors")
+            validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite, wire_layout=self._layout)
+        plan = self._split_partial(groups)
+        deadline = _deadline(self._limit(timeout))
         assert self._send_lock is not None
         async with self._send_lock:
             self._check_running()
             written: list[tuple[Slot, list[int]]] = []
             try:
-                for flat, members, base in self._split_partial(groups):
-                    slot = await self._acquire_slot()
+                for flat, members, base in plan:
+                    slot = await self._acquire_slot(deadline)
                     written.append((slot, members))
                     await self._write(slot, flat, base)
             except BaseException:
                 for slot, _ in written:
-                    if not slot.writing_elsewhere:
-                        slot.writing = False
+                    if not slot.copying:
+                        self._ledger.unreserve(slot.id)
                 self._release_unused()
+                self._changed.notify()
                 raise
             self._version += 1
             version = self._version
             self._sends += 1
             for slot, members in written:
-                slot.writing = False
-                slot.version = version
+                self._ledger.publish(slot.id, version, members)
                 for i in members:
-                    self._publish(self._workers[i], version, slot)
+                    self._workers[i].sent = version
+                    self._workers[i].sends += 1
+            for _, members in written:
+                for i in members:
+                    self._pump(self._workers[i])
             self._release_unused()
             self._changed.notify()
         return version
@@ -272,24 +346,28 @@ class Sender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         quorum: int | None = None,
-        timeout: float | None | object = ...,
+        timeout: Timeout | object = ...,
         what: str | None = None,
     ) -> None:
         """Wait until the targeted workers applied *version* (default: all sent so far).
 
-        With *quorum*, return once that many of them have. Raises :class:`WorkerError`
-        if a worker rejected the weights, :class:`WorkerDiedError` if one died (unless
-        ``on_worker_error="skip"``), :class:`SyncTimeoutError` after *timeout* seconds.
+        Only workers that were sent *version* (or a newer one) are waited for. With
+        *quorum*, return once that many of them have. Raises :class:`WorkerError` if a
+        worker rejected the weights, :class:`WorkerDiedError` if one died or left (unless
+        ``on_worker_error="skip"``), :class:`SyncTimeoutError` after *timeout* seconds,
+        :class:`ValueError` for a version not sent yet.
         """
         if self._state == "closed":
             raise ClosedError("the sender is closed")
+        if version is not None and version > self._version:
+            raise ValueError(f"version {version} was not sent yet (the newest is {self._version})")
         targets = self._targets(worker_ids)
         wanted = {i: (self._workers[i].sent if version is None else version) for i in targets}
         wanted = {i: v for i, v in wanted.items() if v >= 0 and self._workers[i].sent >= v}
         need = len(wanted) if quorum is None else quorum
         if need > len(wanted):
             raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
-        limit = self.timeout if timeout is ... else timeout
+        limit = self._limit(timeout)
         what = what or ("wait_async" if version is None else f"wait for version {version}")
 
         def settled() -> bool:
@@ -299,9 +377,9 @@ class Sender:
                 raise ClosedError("the sender was closed while waiting")
             return False
 
-        if not await self._changed.wait_until(settled, limit):  # type: ignore[arg-type]
-            pending = {i: self._workers[i].applied for i, v in wanted.items() if self._workers[i].applied < v}
-            raise SyncTimeoutError(what, pending, limit)  # type: ignore[arg-type]
+        if not await self._changed.wait_until(settled, limit):
+            pending = {i: self._applied(self._workers[i]) for i, v in wanted.items() if self._applied(self._workers[i]) < v}
+            raise SyncTimeoutError(what, pending, limit)
 
     def _settled(self, wanted: dict[int, int], need: int, quorum: bool) -> bool:
         """True once *need* workers applied their wanted version; raise if that cannot happen."""
@@ -310,11 +388,13 @@ class Sender:
         failure: BaseException | None = None
         for i, v in wanted.items():
             w = self._workers[i]
-            if w.applied >= v:
+            link = w.link
+            applied = link.applied if link is not None and w.state == "connected" else -1
+            if applied >= v:
                 done += 1
-            elif w.responded >= v:
-                failure = failure or WorkerError(i, v, w.last_error or "rejected")
-            elif w.state == "dead":
+            elif w.state == "connected" and link is not None and link.responded >= v:
+                failure = failure or WorkerError(i, link.rejected, link.last_error or "rejected")
+            elif w.state in ("dead", "left"):
                 if self.on_worker_error == "skip" and not quorum:
                     done += 1  # skipped: the living workers are what counts
                 else:
@@ -331,22 +411,29 @@ class Sender:
         return False
 
     def statistics(self) -> SenderStatistics:
-        """A snapshot of versions, lags, errors and timings."""
-        workers = tuple(
-            WorkerStatistics(
-                worker_idx=i,
-                state=w.state,
-                pid=w.pid,
-                exitcode=w.exitcode,
-                sent_version=w.sent,
-                applied_version=w.applied,
-                lag=max(self._version - w.applied, 0) if w.sent >= 0 else 0,
-                last_error=w.last_error,
-                stage_ms=w.stage_s * 1e3,
-                commit_ms=w.commit_s * 1e3,
+        """A snapshot of versions, lags, errors, slots and timings."""
+        workers = []
+        for i, w in self._workers.items():
+            link = w.link
+            applied = self._applied(w)
+            live = self._ledger.links.get(i)
+            workers.append(
+                WorkerStatistics(
+                    worker_idx=i,
+                    state=w.state,
+                    pid=w.pid,
+                    exitcode=w.exitcode,
+                    sent_version=w.sent,
+                    applied_version=applied,
+                    lag=max(self._version - applied, 0) if w.sent >= 0 else 0,
+                    last_error=link.last_error if link is not None else None,
+                    stage_ms=link.stage_s * 1e3 if link is not None else 0.0,
+                    commit_ms=link.commit_s * 1e3 if link is not None else 0.0,
+                    generation=w.generation,
+                    in_flight_version=live.in_flight.version if live is not None and live.in_flight is not None else None,
+                    reason=w.death.reason if isinstance(w.death, WorkerLeftError) else None,
+                )
             )
-            for i, w in self._workers.items()
-        )
         return SenderStatistics(
             version=self._version,
             sends=self._sends,
@@ -354,39 +441,42 @@ class Sender:
             slots=len(self._pool.slots),
             slot_bytes=self._layout.nbytes,
             last_copy_ms=self._last_copy_s * 1e3,
-            workers=workers,
+            workers=tuple(workers),
         )
 
     async def aclose(self, timeout: float = 10.0) -> None:
-        """Stop every receiver, wait (bounded) for them to end, release everything. Idempotent."""
+        """Stop every receiver, wait (bounded) for them to end, release everything. Idempotent.
+
+        Every waiter (``send``, ``send_async``, ``wait_async``) wakes with :class:`ClosedError`.
+        """
         if self._state == "closed":
             return
         was_running = self._state == "running"
         self._state = "closing"
+        self._changed.notify()
         with anyio.CancelScope(shield=True):
             if was_running:
                 for w in self._workers.values():
-                    if w.state == "connected" and w.queue is not None:
+                    if w.state == "connected" and w.link is not None:
                         try:
-                            w.queue.put_nowait(Stop())
+                            w.link.queue.put_nowait(Stop())
                         except Exception:
                             pass
                 await self._changed.wait_until(lambda: all(w.state != "connected" for w in self._workers.values()), timeout)
             self._state = "closed"
             self._changed.notify()
-            tasks = [t for w in self._workers.values() for t in w.tasks]
+            tasks = [t for w in self._workers.values() if w.link is not None for t in w.link.tasks]
             for t in tasks:
                 t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             for w in self._workers.values():
-                w.tasks = []  # finished tasks keep tracebacks that point back at us
-            for w in self._workers.values():
-                if w.queue is not None:
-                    await w.queue.aclose()
-                if w.child_conn is not None:
-                    w.child_conn.close()
-                    w.child_conn = None
+                if w.link is not None:
+                    w.link.tasks = []  # finished tasks keep tracebacks that point back at us
+                    await w.link.queue.aclose()
+                    if w.link.child_conn is not None:
+                        w.link.child_conn.close()
+                        w.link.child_conn = None
                 self._drop_sentinel(w)
             if self._executor is not None:
                 ex, self._executor = self._executor, None
@@ -403,6 +493,9 @@ class Sender:
             )
 
     # ----------------------------------------------------------------- internals
+
+    def _limit(self, timeout: Timeout | object) -> Timeout:
+        return self.timeout if timeout is ... else timeout  # type: ignore[return-value]
 
     def _check_running(self) -> None:
         if self._state == "new":
@@ -433,132 +526,175 @@ class Sender:
     def _group(self, weights: Any, targets: list[int]) -> list[tuple[Mapping[str, torch.Tensor], list[int]]]:
         """Which weights go to which targets: one group per distinct source."""
         if weights is not None:
-            return [(to_flat(weights), targets)]
+            return [(to_flat(weights, self._source_layout), targets)]
         groups: dict[int, tuple[Mapping[str, torch.Tensor], list[int]]] = {}
         for i in targets:  # workers sharing one source share one slot
             source = self._sources[i]
+            if isinstance(source, ModelRef):
+                source = source.resolve()
             if id(source) not in groups:
-                groups[id(source)] = (to_flat(source), [])
+                groups[id(source)] = (to_flat(source, self._source_layout), [])
             groups[id(source)][1].append(i)
         return list(groups.values())
 
     def _split_partial(
         self, groups: list[tuple[Mapping[str, torch.Tensor], list[int]]]
-    ) -> list[tuple[Mapping[str, torch.Tensor], list[int], Slot | None]]:
-        """A partial update is completed from the slot each target last received."""
-        out: list[tuple[Mapping[str, torch.Tensor], list[int], Slot | None]] = []
+    ) -> list[tuple[Mapping[str, torch.Tensor], list[int], int | None]]:
+        """A partial update is completed from the slot holding each target's newest version."""
+        out: list[tuple[Mapping[str, torch.Tensor], list[int], int | None]] = []
         for flat, members in groups:
             if len(flat) == len(self._source_layout.specs):
                 out.append((flat, members, None))
                 continue
             by_base: dict[int | None, list[int]] = {}
             for i in members:
-                by_base.setdefault(self._workers[i].latest_slot, []).append(i)
+                latest = self._ledger.latest.get(i)
+                by_base.setdefault(latest.slot if latest is not None else None, []).append(i)
             if None in by_base:
                 raise WeightsError(f"a partial update needs full weights first; worker(s) {by_base[None]} have none")
             for base, ids in by_base.items():
-                out.append((flat, ids, self._pool.get(base)))  # type: ignore[arg-type]
+                out.append((flat, ids, base))
         return out
 
-    async def _acquire_slot(self) -> Slot:
+    async def _acquire_slot(self, deadline: float | None) -> Slot:
         got: list[Slot] = []
 
         def free_slot() -> bool:
-            in_use = self._slots_in_use()
-            slot = self._pool.acquire(in_use, can_wait=self._release_pending(in_use))
+            if self._state != "running":
+                raise ClosedError("the sender was closed while waiting for a free slot")
+            slot = self._pool.acquire()
             if slot is not None:
-                slot.writing = True
                 got.append(slot)
-            return slot is not None
+                return True
+            if not self._can_free_a_slot():
+                raise CapacityError(
+                    f"no free shared-memory slot among max_slots={self._pool.max_slots} and no answer pending "
+                    "that would free one; held: "
+                    + "; ".join(f"slot {s}: {', '.join(self._ledger.owners(s))}" for s in sorted(self._pool.slots))
+                )
+            return False
 
-        if not await self._changed.wait_until(free_slot, self.timeout):
-            pending = {i: w.applied for i, w in self._workers.items() if w.pending}
-            raise SyncTimeoutError("waiting for a free shared-memory slot", pending, self.timeout)
+        timeout = _remaining(deadline)
+        if not await self._changed.wait_until(free_slot, timeout):
+            pending = {i: self._applied(w) for i, w in self._workers.items() if (lk := self._ledger.links.get(i)) and lk.in_flight}
+            raise SyncTimeoutError("waiting for a free shared-memory slot", pending, timeout)
         return got[0]
 
-    def _slots_in_use(self) -> set[int]:
-        """Slots some worker runs on, was sent, or would get on (re)joining."""
-        return {s for w in self._workers.values() for s in w.slots_in_use() if s is not None}
-
-    def _release_pending(self, in_use: set[int]) -> bool:
-        """Whether some slot in use will be freed once outstanding acks arrive."""
-        pinned = {w.latest_slot for w in self._workers.values()}
-        return any(s not in pinned for s in in_use) or any(s.writing for s in self._pool.slots)
+    def _can_free_a_slot(self) -> bool:
+        """Whether an outstanding answer or a finishing copy can still free a slot."""
+        if self._copy_future is not None and not self._copy_future.done():
+            return True
+        return any(link.in_flight is not None or link.staged is not None for link in self._ledger.links.values())
 
     def _release_unused(self) -> None:
-        self._pool.release_unused(self._slots_in_use())
+        freed = set(self._pool.slots)
+        self._pool.release_unused()
+        freed -= set(self._pool.slots)
+        if freed:
+            for w in self._workers.values():
+                if w.link is not None:
+                    w.link.mapped -= freed
 
-    async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: Slot | None = None) -> None:
+    async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: int | None) -> None:
         views = self._pool.views(slot)
         keys = self._layout.keys
         dst = [views[k] for k in keys]
-        base_views = self._pool.views(base) if base is not None else {}
+        base_views = self._pool.views(self._pool.get(base)) if base is not None else {}
         src = [flat[k] if k in flat else base_views[k] for k in keys]
         t0 = time.perf_counter()
         if self._layout.nbytes < _THREAD_COPY_BYTES:
             copy_tensors(dst, src)
         else:
+            if self._copy_future is not None and not self._copy_future.done():
+                # A cancelled send's copy still runs: at most one slot is written off the books.
+                await asyncio.shield(asyncio.wrap_future(self._copy_future))
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
-            fut = asyncio.get_running_loop().run_in_executor(self._executor, copy_tensors, dst, src)
+            cfut = self._executor.submit(copy_tensors, dst, src)
+            self._copy_future = cfut
             try:
-                await asyncio.shield(fut)
+                await asyncio.shield(asyncio.wrap_future(cfut))
             except BaseException:
-                # The copy thread cannot be stopped: keep the slot reserved until it is done.
-                slot.writing_elsewhere = True
+                # The copy thread cannot be stopped: the slot stays reserved until it is done.
+                slot.copying = True
+                loop = asyncio.get_running_loop()
 
                 def _done(_f: object) -> None:
-                    slot.writing_elsewhere = False
-                    slot.writing = False
-                    self._release_unused()
-                    self._changed.notify()
+                    def release() -> None:
+                        slot.copying = False
+                        self._ledger.unreserve(slot.id)
+                        if self._state != "closed":
+                            self._release_unused()
+                        self._changed.notify()
 
-                fut.add_done_callback(_done)
+                    if not loop.is_closed():
+                        loop.call_soon_threadsafe(release)
+
+                cfut.add_done_callback(_done)
                 raise
         self._last_copy_s = time.perf_counter() - t0
         self._bytes += self._layout.nbytes
 
-    def _publish(self, w: _Worker, version: int, slot: Slot) -> None:
-        w.sent = version
-        w.latest_slot = slot.id
-        if w.state != "connected":
-            return  # delivered on hello (late join or rejoin)
-        w.pending[version] = slot.id
-        self._deliver(w, version, slot)
+    def _pump(self, w: _Worker) -> None:
+        """Send the worker its newest version if nothing is in flight (latest wins)."""
+        if w.state != "connected" or w.link is None:
+            return
+        ref = self._ledger.next_delivery(w.idx)
+        if ref is not None:
+            skipped = max(w.sends - w.link.delivered_sends - 1, 0)
+            w.link.delivered_sends = w.sends
+            self._deliver(w.link, ref, skipped)
 
-    def _deliver(self, w: _Worker, version: int, slot: Slot) -> None:
-        assert w.queue is not None
+    def _deliver(self, link: _Link, ref: Ref, skipped: int) -> None:
+        assert ref.slot is not None
+        slot = self._pool.get(ref.slot)
         try:
-            if slot.id not in w.mapped:
-                w.queue.put_nowait(MapSlots((slot.id,), (slot.nbytes,), slot.transient))
-                w.queue.send_fds([slot.fd])
-                w.mapped.add(slot.id)
-            w.queue.put_nowait(Receive(version, slot.id))
+            if slot.transient or slot.id not in link.mapped:
+                link.queue.put_nowait(MapSlots((slot.id,), (slot.nbytes,), slot.transient))
+                link.queue.send_fds([slot.fd])
+                if not slot.transient:
+                    link.mapped.add(slot.id)
+            link.queue.put_nowait(Receive(ref.version, slot.id, skipped))
         except (BrokenChannelError, ClosedError):
             pass  # the reader task notices the death and reports it
 
-    def _start_tasks(self, w: _Worker, loop: asyncio.AbstractEventLoop) -> None:
-        assert w.queue is not None
-        w.tasks = [loop.create_task(self._read_loop(w, w.queue))]
+    def _start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
+        link.tasks = [loop.create_task(self._read_loop(w, link))]
         if w.sentinel is not None:
-            w.tasks.append(loop.create_task(self._watch_sentinel(w, w.queue)))
+            link.tasks.append(loop.create_task(self._watch_sentinel(w, link)))
 
-    async def _read_loop(self, w: _Worker, queue: AsyncQueue[Any]) -> None:
+    async def _read_loop(self, w: _Worker, link: _Link) -> None:
         try:
             while True:
-                msg = await queue.get()
-                if isinstance(msg, Ack):
-                    self._on_ack(w, msg)
-                elif isinstance(msg, Staged):
-                    self._on_staged(w, msg)
-                elif isinstance(msg, Hello):
-                    self._on_hello(w, msg)
+                msg = await link.queue.get()
+                if link is not w.link:
+                    return
+                self._dispatch(w, link, msg)
         except BrokenChannelError:
-            await self._on_lost(w, queue)
+            await self._on_lost(w, link)
         except ClosedError:
             pass
 
-    async def _watch_sentinel(self, w: _Worker, queue: AsyncQueue[Any]) -> None:
+    def _dispatch(self, w: _Worker, link: _Link, msg: Any) -> None:
+        if isinstance(msg, Ack):
+            self._on_ack(w, link, msg)
+        elif isinstance(msg, Staged):
+            self._ledger.on_staged(w.idx, msg.version, msg.holds)
+            self._after_answer(w)
+        elif isinstance(msg, Hello):
+            self._on_hello(w, link, msg)
+        elif isinstance(msg, Bye):
+            link.bye = msg
+
+    def _drain(self, w: _Worker, link: _Link) -> None:
+        """Read what the worker said before it went (its last acks, its ``Bye``)."""
+        try:
+            while True:
+                self._dispatch(w, link, link.queue.get_nowait())
+        except (WouldBlock, BrokenChannelError, ClosedError):
+            pass
+
+    async def _watch_sentinel(self, w: _Worker, link: _Link) -> None:
         sentinel = w.sentinel
         if sentinel is None:
             return
@@ -566,77 +702,89 @@ class Sender:
             await anyio.wait_readable(sentinel)
         except (OSError, anyio.ClosedResourceError):
             return
-        await self._on_lost(w, queue)
+        await self._on_lost(w, link)
 
-    def _on_hello(self, w: _Worker, msg: Hello) -> None:
-        assert w.queue is not None
-        w.pid = msg.pid
+    def _on_hello(self, w: _Worker, link: _Link, msg: Hello) -> None:
+        link.pid = w.pid = msg.pid
         w.state = "connected"
         w.death = None
         w.exitcode = None
-        if w.child_conn is not None:
-            w.child_conn.close()  # the worker holds its own copy now: EOF will mean it is gone
-            w.child_conn = None
+        if link.child_conn is not None:
+            link.child_conn.close()  # the worker holds its own copy now: EOF will mean it is gone
+            link.child_conn = None
         try:
-            w.queue.put_nowait(Setup(self._layout, w.device, os.getpid()))
+            link.queue.put_nowait(Setup(self._layout, w.device, os.getpid()))
         except (BrokenChannelError, ClosedError):
             return
-        if w.sent >= 0 and w.latest_slot is not None:
-            w.pending = {w.sent: w.latest_slot}
-            self._deliver(w, w.sent, self._pool.get(w.latest_slot))
+        self._pump(w)
         self._changed.notify()
 
-    def _on_ack(self, w: _Worker, ack: Ack) -> None:
-        v = ack.version
-        for old in [u for u in w.pending if u <= v]:
-            del w.pending[old]
-        w.responded = max(w.responded, v)
+    def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
+        self._ledger.on_ack(w.idx, ack.version, ack.ok, ack.holds)
+        link.responded = max(link.responded, ack.version)
         if ack.ok:
-            w.applied = max(w.applied, v)
-            w.live_slot = ack.holds
-            w.last_error = None
-            w.stage_s, w.commit_s = ack.stage_s, ack.commit_s
+            link.applied = max(link.applied, ack.version)
+            link.last_error = None
+            link.stage_s, link.commit_s = ack.stage_s, ack.commit_s
         else:
-            w.last_error = ack.error
+            link.rejected = max(link.rejected, ack.version)
+            link.last_error = ack.error
+        self._after_answer(w)
+
+    def _after_answer(self, w: _Worker) -> None:
+        self._pump(w)
         self._release_unused()
         self._changed.notify()
 
-    def _on_staged(self, w: _Worker, msg: Staged) -> None:
-        for old in [u for u in w.pending if u < msg.version or (u == msg.version and msg.holds is None)]:
-            del w.pending[old]
-        self._release_unused()
-        self._changed.notify()
-
-    async def _on_lost(self, w: _Worker, queue: AsyncQueue[Any]) -> None:
-        if queue is not w.queue or w.state in ("dead", "stopped"):
+    async def _on_lost(self, w: _Worker, link: _Link) -> None:
+        if link is not w.link or link.lost:
             return  # an older channel, or already handled
+        link.lost = True
+        self._drain(w, link)
         if self._state in ("closing", "closed") and w.state == "connected":
             w.state = "stopped"
-            self._changed.notify()
-            return
-        process = w.process
-        if process is not None:
-            # The pipe may close a moment before the process is reaped: wait for the exit code.
-            with anyio.move_on_after(1.0):
-                while getattr(process, "exitcode", None) is None:
-                    await anyio.sleep(0.005)
-            w.exitcode = getattr(process, "exitcode", None)
-        if queue is not w.queue or w.state in ("dead", "stopped"):
-            return
-        w.state = "dead"
-        w.death = WorkerDiedError(w.idx, w.exitcode, w.pid)
-        w.pending.clear()
-        w.live_slot = None
-        w.process = None
-        self._drop_sentinel(w)
+        elif link.bye is not None:
+            w.state = "left"
+            w.death = WorkerLeftError(w.idx, link.bye.reason, link.bye.version, link.pid)
+            w.process = None  # its process may run on: it is no longer this worker
+            self._drop_sentinel(w)
+        else:
+            process = w.process
+            if process is not None:
+                # The pipe may close a moment before the process is reaped: wait for the exit code.
+                with anyio.move_on_after(1.0):
+                    while getattr(process, "exitcode", None) is None:
+                        await anyio.sleep(0.005)
+                w.exitcode = getattr(process, "exitcode", None)
+            if link is not w.link:
+                return
+            w.state = "dead"
+            w.death = WorkerDiedError(w.idx, w.exitcode, link.pid)
+            w.process = None
+            self._drop_sentinel(w)
+        # The worker holds no slot any more: it died, or detached its weights before leaving.
+        self._ledger.disconnect(w.idx)
         current = asyncio.current_task()
-        for t in w.tasks:
+        for t in link.tasks:
             if t is not current:
                 t.cancel()
-        queue.close()
+        link.queue.close()
         if self._state == "running":
-            # A replacement for this index can attach through the new channel.
-            self._new_channel(w)
-            self._start_tasks(w, asyncio.get_running_loop())
+            # A replacement for this index can attach through a new channel.
+            w.death_generation = link.generation
+            new = self._new_link(w)
+            self._ledger.connect(w.idx)
+            self._start_tasks(w, new, asyncio.get_running_loop())
         self._release_unused()
         self._changed.notify()
+
+
+def _deadline(timeout: Timeout) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> Timeout:
+    if deadline is None:
+        return None
+    return max(deadline - time.monotonic(), 0.0)
+

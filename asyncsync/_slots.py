@@ -1,9 +1,12 @@
-"""Shared-memory slots: where a send's weights sit until every reader released them.
+"""Shared-memory slots: where a send's weights sit until no worker holds them.
 
-``SlotPool(reuse=True)`` (the ``"shm"`` transport) allocates its slots once and reuses
-them: no allocation, no new file, no descriptor passing per send. ``reuse=False``
-(the ``"queue"`` transport) gives every send a fresh segment that travels with the
-instruction, as torch's shared-memory pickling does; it is freed once released.
+``SlotPool(reuse=True)`` (the ``"shm"`` transport) allocates ``num_slots`` slots at
+connect and reuses them: no allocation, no new file, no descriptor passing per send.
+When lagging workers hold them all, it adds a slot (up to ``max_slots``, and never more
+than the ownership bound) and keeps it for reuse: a lag pattern costs its memory once.
+``reuse=False`` (the ``"queue"`` transport) gives every send a fresh, *transient* segment,
+as torch's shared-memory pickling does, freed (and unmapped by the workers) once released.
+Who holds which slot is the :class:`~._ownership.SlotLedger`'s business.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._layout import Layout
+from ._ownership import SlotLedger
 from ._shm import Segment
 
 __all__ = ["Slot", "SlotPool"]
@@ -22,81 +26,83 @@ class Slot:
     def __init__(self, slot_id: int, nbytes: int, transient: bool) -> None:
         self.id = slot_id
         self.nbytes = nbytes
-        self.transient = transient
+        self.transient = transient  # freed (and unmapped by workers) once nobody holds it
         self.segment = Segment(nbytes)
-        self.version = -1
-        self.writing = False
-        self.writing_elsewhere = False
         self.views: dict[str, torch.Tensor] | None = None
+        self.copying = False  # a cancelled send's copy thread still writes it
 
     @property
     def fd(self) -> int:
         assert self.segment.fd is not None
         return self.segment.fd
 
+    def close(self) -> None:
+        self.views = None
+        self.segment.close(unmap=True)
+
 
 class SlotPool:
-    """Allocates, hands out and frees slots; never more than ``max_slots`` at once."""
+    """Allocates and frees slots; never more than ``max_slots`` at once."""
 
-    def __init__(self, layout: Layout, *, num_slots: int, max_slots: int, reuse: bool) -> None:
+    def __init__(self, layout: Layout, *, num_slots: int, max_slots: int | None, reuse: bool) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_slots is not None and max_slots < num_slots:
+            raise ValueError(f"max_slots ({max_slots}) must be >= num_slots ({num_slots})")
         self.layout = layout
         self.reuse = reuse
-        self.max_slots = max(max_slots, num_slots)
         self.num_slots = num_slots
-        self.slots: list[Slot] = []
+        self.max_slots = max_slots
+        self.slots: dict[int, Slot] = {}
+        self.ledger: SlotLedger | None = None
         self._next_id = 0
 
-    def open(self) -> None:
+    def open(self, ledger: SlotLedger) -> None:
         """Allocate (and pre-fault) the reusable slots: once, at connect."""
+        self.ledger = ledger
         if self.reuse:
             while len(self.slots) < self.num_slots:
-                self._allocate()
+                self._allocate(transient=False)
 
-    def _allocate(self) -> Slot:
-        slot = Slot(self._next_id, self.layout.nbytes, transient=not self.reuse)
+    def _allocate(self, transient: bool) -> Slot:
+        assert self.ledger is not None
+        slot = Slot(self._next_id, self.layout.nbytes, transient)
         self._next_id += 1
-        self.slots.append(slot)
+        self.slots[slot.id] = slot
+        self.ledger.add_slot(slot.id)
         return slot
 
     def get(self, slot_id: int) -> Slot:
-        for s in self.slots:
-            if s.id == slot_id:
-                return s
-        raise KeyError(slot_id)
+        return self.slots[slot_id]
 
     def views(self, slot: Slot) -> dict[str, torch.Tensor]:
         if slot.views is None:
             slot.views = self.layout.views(slot.segment.buf)
         return slot.views
 
-    def acquire(self, in_use: set[int], *, can_wait: bool) -> Slot | None:
-        """A slot nobody reads, or None if the caller should wait for releases."""
-        if not self.reuse:
-            return self._allocate()
-        for s in self.slots:
-            if s.id not in in_use and not s.writing:
-                return s
-        if can_wait or len(self.slots) >= self.max_slots:
+    def acquire(self) -> Slot | None:
+        """Reserve a slot nobody holds (allocating one if allowed), or None: wait for releases."""
+        assert self.ledger is not None
+        free = self.ledger.free()
+        if free:
+            slot = self.slots[min(free)]
+        elif self.max_slots is None or len(self.slots) < self.max_slots:
+            slot = self._allocate(transient=not self.reuse)
+        else:
             return None
-        return self._allocate()
+        self.ledger.reserve(slot.id)
+        return slot
 
-    def release_unused(self, in_use: set[int]) -> None:
-        """Free transient slots that nobody reads any more."""
-        if self.reuse:
-            return
-        keep: list[Slot] = []
-        for s in self.slots:
-            if s.id in in_use or s.writing or s.writing_elsewhere:
-                keep.append(s)
-            else:
-                s.views = None
-                s.segment.close(unmap=True)
-        self.slots = keep
+    def release_unused(self) -> None:
+        """Free transient slots that nobody holds any more."""
+        assert self.ledger is not None
+        used = self.ledger.in_use()
+        for sid in [s for s, slot in self.slots.items() if slot.transient and s not in used]:
+            self.ledger.remove_slot(sid)
+            self.slots.pop(sid).close()
+        self.ledger.check(len(self.slots) if not self.reuse else None)
 
     def close(self) -> None:
-        for s in self.slots:
-            s.views = None
-            s.segment.close(unmap=True)
-        self.slots = []
+        for s in self.slots.values():
+            s.close()
+        self.slots = {}

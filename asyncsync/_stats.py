@@ -13,7 +13,9 @@ class WorkerStatistics:
 
     Attributes:
         worker_idx: the worker's id.
-        state: ``"waiting"`` (not connected yet), ``"connected"``, ``"dead"`` or ``"stopped"``.
+        state: ``"waiting"`` (not connected yet), ``"connected"``, ``"dead"`` (its process
+            died), ``"left"`` (its receiver ended; ``reason`` says why) or ``"stopped"``
+            (after the sender's ``aclose()``).
         pid: the worker's process id once it said hello.
         exitcode: exit status of a dead worker, when known.
         sent_version: newest version sent to it (-1: none).
@@ -21,6 +23,10 @@ class WorkerStatistics:
         lag: ``sender.version - applied_version``: how many versions it is behind.
         last_error: the last rejection it reported, or None.
         stage_ms / commit_ms: its stage and commit time for the last applied version.
+        generation: its connection number (1 for the first process, +1 per replacement);
+            ``applied_version``, ``last_error`` and timings belong to this connection.
+        in_flight_version: the version sent and not answered yet (at most one), or None.
+        reason: why a worker in state ``"left"`` left, else None.
     """
 
     worker_idx: int
@@ -33,6 +39,9 @@ class WorkerStatistics:
     last_error: str | None
     stage_ms: float
     commit_ms: float
+    generation: int = 1
+    in_flight_version: int | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,8 @@ class ReceiverStatistics:
         updates: number of versions applied; skipped: versions skipped (latest wins).
         rejected: updates rejected (bad payload).
         last_stage_ms / last_commit_ms: time spent staging / committing the last update.
+        callback_errors: exceptions raised by ``on_update`` or ``update_policy_weights_``
+            (logged; the receiver goes on); last_callback_error: the newest, as text.
     """
 
     worker_idx: int
@@ -84,3 +95,5 @@ class ReceiverStatistics:
     rejected: int
     last_stage_ms: float
     last_commit_ms: float
+    callback_errors: int = 0
+    last_callback_error: str | None = None

@@ -15,44 +15,95 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ._errors import WeightsError
-from ._layout import Layout
+from ._layout import Layout, TensorSpec, _storage_key
 
-__all__ = ["Strategy", "named_tensors", "to_flat", "validate", "as_user_weights", "resolve_model"]
+__all__ = ["Strategy", "named_tensors", "to_flat", "validate", "bind_targets", "as_user_weights", "resolve_model"]
 
 Strategy = Literal["tensordict", "state_dict"]
 STRATEGIES = ("tensordict", "state_dict")
 
 
 def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters, then buffers, of *module* by dotted name (live tensors, no copy).
+    """Parameters and persistent buffers of *module* by dotted name (live tensors, no copy).
 
-    Same keys and order as ``named_parameters()`` + ``named_buffers()`` (tied tensors
-    once), in one walk over the modules: this runs on every send.
+    The keys of ``module.state_dict()`` in its order (per module: parameters, then
+    buffers), except that a tied tensor appears once, under its first name, and
+    non-persistent buffers are left out. One walk over the modules: this runs on
+    every send.
     """
-    params: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for prefix, mod in module.named_modules():
         dot = prefix + "." if prefix else ""
         for name, p in mod._parameters.items():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
-                params[dot + name] = p
+                out[dot + name] = p
+        if mod._buffers:
+            skip = mod._non_persistent_buffers_set
+            for name, b in mod._buffers.items():
+                if b is not None and id(b) not in seen and name not in skip:
+                    seen.add(id(b))
+                    out[dot + name] = b
+    return out
+
+
+def _all_names(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every name of every tensor of *module*: ``(persistent, non_persistent)``.
+
+    *persistent* holds the keys of ``module.state_dict()`` (tied tensors under each of
+    their names, shared submodules under each path), mapped to the live tensors.
+    """
+    persistent: dict[str, torch.Tensor] = {}
+    non_persistent: dict[str, torch.Tensor] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, p in mod._parameters.items():
+            if p is not None:
+                persistent[dot + name] = p
+        skip = mod._non_persistent_buffers_set
         for name, b in mod._buffers.items():
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                buffers[dot + name] = b
-    params.update(buffers)
-    return params
+            if b is not None:
+                (non_persistent if name in skip else persistent)[dot + name] = b
+    return persistent, non_persistent
 
 
-def to_flat(weights: Any) -> dict[str, torch.Tensor]:
-    """Turn a module, TensorDict or (possibly nested) state dict into a flat mapping."""
+def to_flat(weights: Any, layout: Layout | None = None) -> dict[str, torch.Tensor]:
+    """Turn a module, TensorDict or (possibly nested) state dict into a flat mapping.
+
+    Without *layout*: every name the weights hold, as they list it. A module gives the
+    keys of its ``state_dict()`` (tied tensors under each name, so that
+    :meth:`Layout.from_tensors` records them as aliases); a TensorDict or a mapping
+    gives its leaves.
+
+    With *layout*: the keys of *layout* (canonical keys) that the weights provide, plus
+    whatever does not fit it (for :func:`validate` to report). Dropped or renamed:
+
+    * an alias of *layout* (``head.weight`` tied to ``emb.weight``): the canonical
+      key's value is used, or the alias's value under the canonical key if the
+      canonical key is absent;
+    * a key not in *layout* whose tensor is storage-identical to another key's (the
+      second name of a tied tensor in a ``state_dict``);
+    * a TensorDict leaf not in *layout* that is not an ``nn.Parameter``: a
+      non-persistent buffer, which ``TensorDict.from_module`` lists and a
+      ``state_dict`` does not.
+
+    A module provides any key of *layout* it has under any name, non-persistent
+    buffers included. The usual case (the weights list exactly the layout's keys)
+    costs one key-set comparison on top of the walk.
+    """
     if isinstance(weights, nn.Module):
+        if layout is None:
+            flat, _ = _all_names(weights)
+            if not flat:
+                raise WeightsError(f"{type(weights).__name__} has no parameters or buffers to send")
+            return flat
         flat = named_tensors(weights)
+        if flat.keys() == layout.index.keys():
+            return flat
         if not flat:
             raise WeightsError(f"{type(weights).__name__} has no parameters or buffers to send")
-        return flat
+        return _module_for_layout(weights, flat, layout)
     if isinstance(weights, TensorDictBase):
         flat_td = weights.flatten_keys(".")
         out: dict[str, torch.Tensor] = {}
@@ -62,14 +113,73 @@ def to_flat(weights: Any) -> dict[str, torch.Tensor]:
             if not isinstance(value, torch.Tensor):
                 raise WeightsError(f"weights[{name!r}] is {type(value).__name__}, not a tensor")
             out[name] = value
-        return out
+        return out if layout is None else _fit_mapping(out, layout, is_tensordict=True)
     if isinstance(weights, Mapping):
         out = {}
         _flatten_mapping(weights, "", out)
-        return out
+        return out if layout is None else _fit_mapping(out, layout, is_tensordict=False)
     raise TypeError(
         f"weights must be None, an nn.Module, a TensorDict or a state dict, not {type(weights).__name__}"
     )
+
+
+def _module_for_layout(module: nn.Module, flat: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """The slow path of :func:`to_flat` for a module whose first names differ from *layout*'s keys."""
+    persistent, non_persistent = _all_names(module)
+    out: dict[str, torch.Tensor] = {}
+    used: set[int] = set()
+    for key in layout.keys:
+        for name in (key, *layout.aliases_of(key)):
+            t = persistent.get(name)
+            if t is None:
+                t = non_persistent.get(name)
+            if t is not None:
+                out[key] = t
+                used.add(id(t))
+                break
+    for key, t in flat.items():  # tensors the layout has no name for: validate reports them
+        if id(t) not in used:
+            out[key] = t
+    return out
+
+
+def _fit_mapping(flat: dict[str, torch.Tensor], layout: Layout, is_tensordict: bool) -> dict[str, torch.Tensor]:
+    """Drop or rename the keys of *flat* that *layout* knows under another name (see :func:`to_flat`)."""
+    index = layout.index
+    if flat.keys() <= index.keys():
+        return flat
+    alias_map = layout.alias_map
+    kept = {k: t for k, t in flat.items() if k in index}
+    rest: list[str] = []
+    for key, t in flat.items():
+        if key in index:
+            continue
+        canonical = alias_map.get(key)
+        if canonical is None:
+            rest.append(key)
+        elif canonical not in kept:
+            kept[canonical] = t  # only the alias was given
+    extra: dict[str, torch.Tensor] = {}
+    if rest:
+        by_storage: set[tuple[object, ...]] = set()
+        for t in kept.values():
+            sk = _storage_key(t) if isinstance(t, torch.Tensor) else None
+            if sk is not None:
+                by_storage.add(sk)
+        for key in rest:
+            t = flat[key]
+            if isinstance(t, torch.Tensor):
+                sk = _storage_key(t)
+                if sk is not None:
+                    if sk in by_storage:
+                        continue  # another name of a tensor given under an earlier key
+                    by_storage.add(sk)
+                if is_tensordict and not isinstance(t, nn.Parameter):
+                    continue  # a non-persistent buffer (TensorDict.from_module lists them)
+            extra[key] = t  # validate reports it
+    out = {k: kept[k] for k in layout.keys if k in kept}
+    out.update(extra)
+    return out
 
 
 def _flatten_mapping(m: Mapping[Any, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
@@ -92,8 +202,15 @@ def validate(
     partial: bool = False,
     check_finite: bool = False,
     who: str = "weights",
+    wire_layout: Layout | None = None,
 ) -> None:
-    """Raise :class:`WeightsError` unless *flat* fits *layout* (keys, shapes, dtypes, values)."""
+    """Raise :class:`WeightsError` unless *flat* fits *layout* (keys, shapes, dtypes, values).
+
+    *flat* is what :func:`to_flat` returns with *layout*. With *check_finite*, floating
+    point values must be finite, and, where *wire_layout* sends a key in another
+    floating point dtype (``transfer_dtype``), finite in that dtype too (1e5 is inf in
+    float16).
+    """
     expected = layout.index
     ok = partial or len(flat) == len(expected)
     strided = torch.strided
@@ -112,9 +229,37 @@ def validate(
     if not ok:
         _raise_misfit(flat, layout, partial, who)
     if check_finite:
-        bad = [k for k, t in flat.items() if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())]
-        if bad:
-            raise WeightsError(f"{who} hold NaN or inf in " + ", ".join(repr(k) for k in bad[:8]))
+        _check_finite(flat, wire_layout.index if wire_layout is not None else {}, who)
+
+
+def _check_finite(flat: Mapping[str, torch.Tensor], wire: Mapping[str, TensorSpec], who: str) -> None:
+    bad: list[str] = []
+    overflow: list[str] = []
+    for key, t in flat.items():
+        if not (t.is_floating_point() or t.is_complex()):
+            continue
+        spec = wire.get(key)
+        if spec is not None and spec.dtype != t.dtype and spec.dtype.is_floating_point and t.is_floating_point():
+            if t.numel() == 0:
+                continue
+            # Rounding is monotonic: the tensor fits the wire dtype iff its extremes do.
+            lo, hi = torch.aminmax(t)
+            ends = torch.stack([lo, hi])
+            if not bool(torch.isfinite(ends).all()):
+                bad.append(key)
+            elif not bool(torch.isfinite(ends.to(spec.dtype)).all()):
+                peak = float(ends.abs().max())
+                wire_name = str(spec.dtype).replace("torch.", "")
+                overflow.append(f"{key!r} (|x| up to {peak:g}, {wire_name} holds {torch.finfo(spec.dtype).max:g})")
+        elif not bool(torch.isfinite(t).all()):
+            bad.append(key)
+    if bad:
+        raise WeightsError(f"{who} hold NaN or inf in " + ", ".join(repr(k) for k in bad[:8]))
+    if overflow:
+        wire_dtypes = sorted({str(wire[k].dtype).replace("torch.", "") for k in flat if k in wire and wire[k].dtype != flat[k].dtype})
+        raise WeightsError(
+            f"{who} would be inf on the wire ({'/'.join(wire_dtypes)}, transfer_dtype): " + ", ".join(overflow[:8])
+        )
 
 
 def _raise_misfit(flat: Mapping[str, torch.Tensor], layout: Layout, partial: bool, who: str) -> None:
@@ -124,9 +269,13 @@ def _raise_misfit(flat: Mapping[str, torch.Tensor], layout: Layout, partial: boo
     extra = [k for k in flat if k not in expected]
     problems: list[str] = []
     if extra:
-        problems.append("unexpected keys " + ", ".join(repr(k) for k in extra[:8]) + (" ..." if len(extra) > 8 else ""))
+        problems.append("unexpected keys " + ", ".join(_with_shape(k, flat[k]) for k in extra[:8]) + (" ..." if len(extra) > 8 else ""))
     if missing and not partial:
-        problems.append("missing keys " + ", ".join(repr(k) for k in missing[:8]) + (" ..." if len(missing) > 8 else ""))
+        problems.append(
+            "missing keys "
+            + ", ".join(f"{k!r} {expected[k].shape} {str(expected[k].dtype).replace('torch.', '')}" for k in missing[:8])
+            + (" ..." if len(missing) > 8 else "")
+        )
     for key, t in flat.items():
         spec = expected.get(key)
         if spec is None:
@@ -145,8 +294,79 @@ def _raise_misfit(flat: Mapping[str, torch.Tensor], layout: Layout, partial: boo
     raise WeightsError(f"{who} do not fit the model: " + "; ".join(problems or ["unknown mismatch"]))
 
 
-def as_user_weights(flat: Mapping[str, torch.Tensor], strategy: Strategy) -> Any:
-    """The format callbacks and ``update_policy_weights_`` receive for *strategy*."""
+def _with_shape(key: str, t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{key!r} {tuple(t.shape)}"
+    return repr(key)
+
+
+def bind_targets(model: nn.Module, layout: Layout) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Match the wire keys of *layout* to *model*'s live tensors (on the worker).
+
+    Returns ``(targets, problems)``: *targets* maps each key of *layout* the model has
+    (under that name, or under any name the model or the layout gives the same
+    tensor) to the model's tensor; *problems* says, one line each, what does not fit:
+    keys the model lacks, shape and dtype mismatches (floating point dtypes convert),
+    model tensors no key covers, and two keys landing on one tensor. The layout fits
+    iff *problems* is empty.
+
+    Non-persistent buffers are not part of the model's state: never required, never
+    reported, but a key naming one (``TensorDict.from_module`` lists them) binds to it.
+    """
+    persistent, non_persistent = _all_names(model)
+    targets: dict[str, torch.Tensor] = {}
+    owner: dict[int, str] = {}  # id(model tensor) -> the key that landed on it
+    problems: list[str] = []
+    for spec in layout.specs:
+        key = spec.key
+        t: torch.Tensor | None = None
+        for name in (key, *layout.aliases_of(key)):
+            t = persistent.get(name)
+            if t is None:
+                t = non_persistent.get(name)
+            if t is not None:
+                break
+        if t is None:
+            problems.append(f"unexpected key {layout.describe(key)}")
+            continue
+        other = owner.get(id(t))
+        if other is not None:
+            problems.append(f"keys {other!r} and {key!r} both land on one model tensor (tied in the model, not in the sent weights)")
+            continue
+        owner[id(t)] = key
+        if tuple(t.shape) != spec.shape:
+            problems.append(f"{key!r}: sent shape {spec.shape}, model has {tuple(t.shape)}")
+        elif t.dtype != spec.dtype and not (t.dtype.is_floating_point and spec.dtype.is_floating_point):
+            problems.append(f"{key!r}: sent dtype {spec.dtype}, model has {t.dtype}")
+        else:
+            targets[key] = t
+    missing: list[str] = []
+    for name, t in persistent.items():
+        if id(t) in owner:
+            continue
+        owner[id(t)] = ""  # report each tensor once, under its first name
+        note = ""
+        canonical = layout.alias_map.get(name)
+        if canonical is not None:
+            note = f" (the sender ties it to {canonical!r})"
+        missing.append(f"{name}: {tuple(t.shape)}{note}")
+    if missing:
+        problems.append("model keys not sent: " + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+    return targets, problems
+
+
+def as_user_weights(flat: Mapping[str, torch.Tensor], strategy: Strategy, layout: Layout | None = None) -> Any:
+    """The format callbacks and ``update_policy_weights_`` receive for *strategy*.
+
+    With *layout*, every alias of a key in *flat* is listed too, as the same tensor, so
+    that the result has the keys of the model's ``state_dict()`` (``load_state_dict``
+    with ``strict=True`` accepts it on a model with tied weights).
+    """
+    if layout is not None and layout.aliases:
+        flat = dict(flat)
+        for alias, canonical in layout.aliases:
+            if canonical in flat and alias not in flat:
+                flat[alias] = flat[canonical]
     if strategy == "state_dict":
         return dict(flat)
     from tensordict import TensorDict

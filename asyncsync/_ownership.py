@@ -1,0 +1,395 @@
+"""Who owns what: shared-memory slots on the sender, buffer sets on the receiver.
+
+This module is the one place where a slot or a buffer set changes hands; the sender and
+the receiver only call its transitions. With ``ASYNCSYNC_DEBUG=1`` in the environment (or
+:func:`set_debug`), every transition checks the invariants below and raises
+:class:`InvariantError` at the first violation.
+
+Sender side, per slot (a :class:`SlotLedger`)::
+
+    free ──acquire──► writing ──publish(v)──► held by {latest, in flight, staged, live}
+      ▲                  │ (cancelled)                     of one or more workers
+      └──────────────────┴──────────── owner set empty ◄───────────┘
+
+A worker's roles on slots, one connection (a :class:`Link`) at a time:
+
+- ``latest``: the newest version sent to the worker (kept for a replacement worker and
+  as the base of a partial update). It belongs to the worker id, not the connection.
+- ``in flight``: the one ``Receive`` outstanding on the channel (at most one per worker).
+  When its answer arrives, the worker gets its ``latest`` if that is newer (latest wins).
+- ``staged``: manual commit: the version waits for ``commit()`` in that slot.
+- ``live``: the worker's parameters view the slot (CPU, ``commit="swap"``).
+
+Invariants: a slot being written has no owner; every owned slot holds exactly the version
+its owners name; a link has at most one version in flight; versions only go up; the pool
+never holds more slots than :func:`slot_bound`.
+
+Receiver side (a :class:`BufferRoles`): every set of weights is exactly one of ``live``
+(the model's parameters are these tensors), ``pending`` (staged, manual commit) or
+``staging`` (being written off the loop), or free. A set is written only while it is
+``staging``; a free set is never referenced by the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "BufferRoles",
+    "InvariantError",
+    "Link",
+    "Ref",
+    "SlotLedger",
+    "Weights",
+    "debug_enabled",
+    "set_debug",
+    "slot_bound",
+]
+
+_debug = os.environ.get("ASYNCSYNC_DEBUG", "") not in ("", "0")
+
+
+def set_debug(enabled: bool) -> None:
+    """Switch the executable invariant checks on or off (default: ``ASYNCSYNC_DEBUG``)."""
+    global _debug
+    _debug = enabled
+
+
+def debug_enabled() -> bool:
+    return _debug
+
+
+class InvariantError(AssertionError):
+    """An ownership invariant does not hold: a bug in asyncsync."""
+
+
+def slot_bound(workers: int, manual: bool, latest: int, writing: int) -> int:
+    """Most slots that can be owned at once.
+
+    ``k·W + L + G + 1``: each of *workers* (W) holds at most k slots of its own (in flight
+    and live, plus staged with manual commit: k = 2 or 3), *latest* (L) distinct newest
+    versions, *writing* (G) slots written by the current send, plus one slot whose copy
+    was cancelled but whose copy thread is still finishing.
+    """
+    return (3 if manual else 2) * workers + latest + writing + 1
+
+
+# ---------------------------------------------------------------------------------- sender
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One version of the weights, in a slot (``slot`` is its id) or in a worker's own memory (None)."""
+
+    version: int
+    slot: int | None
+
+
+@dataclass
+class Link:
+    """Slot roles of one connection to one worker (a replacement gets a new Link)."""
+
+    in_flight: Ref | None = None
+    staged: Ref | None = None
+    live: Ref | None = None
+    delivered: int = -1  # newest version handed to this connection
+
+    def refs(self) -> Iterator[Ref]:
+        for r in (self.in_flight, self.staged, self.live):
+            if r is not None:
+                yield r
+
+
+@dataclass
+class _SlotState:
+    version: int = -1
+    writing: bool = False  # reserved by the send that writes it (or its copy thread)
+
+
+@dataclass
+class SlotLedger:
+    """Owner sets of the sender's slots, and the only code that changes them."""
+
+    manual: bool
+    latest: dict[int, Ref] = field(default_factory=dict)  # worker id -> newest version sent
+    links: dict[int, Link] = field(default_factory=dict)  # worker id -> current connection
+    slots: dict[int, _SlotState] = field(default_factory=dict)
+    _applied: dict[int, int] = field(default_factory=dict)  # per link id: last live version seen
+
+    # -- the slot pool's view ---------------------------------------------------------
+
+    def add_slot(self, slot_id: int) -> None:
+        self.slots[slot_id] = _SlotState()
+
+    def remove_slot(self, slot_id: int) -> None:
+        if _debug and slot_id in self.owned():
+            raise InvariantError(f"slot {slot_id} freed while owned by {self.owners(slot_id)}")
+        del self.slots[slot_id]
+
+    def owned(self) -> set[int]:
+        """Slots some worker holds in some role."""
+        out = {r.slot for r in self.latest.values() if r.slot is not None}
+        for link in self.links.values():
+            out.update(r.slot for r in link.refs() if r.slot is not None)
+        return out
+
+    def in_use(self) -> set[int]:
+        """Slots that must not be written: owned or being written."""
+        return self.owned() | {s for s, st in self.slots.items() if st.writing}
+
+    def free(self) -> list[int]:
+        used = self.in_use()
+        return [s for s in self.slots if s not in used]
+
+    def owners(self, slot_id: int) -> list[str]:
+        """Who holds *slot_id*, as ``"worker 1 live"`` strings (for errors and debugging)."""
+        out = [f"worker {w} latest" for w, r in self.latest.items() if r.slot == slot_id]
+        for w, link in self.links.items():
+            for role in ("in_flight", "staged", "live"):
+                r = getattr(link, role)
+                if r is not None and r.slot == slot_id:
+                    out.append(f"worker {w} {role.replace('_', ' ')}")
+        if slot_id in self.slots and self.slots[slot_id].writing:
+            out.append("being written")
+        return out
+
+    # -- transitions --------------------------------------------------------------------
+
+    def reserve(self, slot_id: int) -> None:
+        """A send takes a free slot to write into it."""
+        if _debug and slot_id in self.in_use():
+            raise InvariantError(f"slot {slot_id} reserved while in use by {self.owners(slot_id)}")
+        self.slots[slot_id].writing = True
+
+    def unreserve(self, slot_id: int) -> None:
+        """The write was abandoned (or its copy thread finished after a cancel)."""
+        if slot_id in self.slots:
+            self.slots[slot_id].writing = False
+
+    def publish(self, slot_id: int, version: int, workers: Iterable[int]) -> None:
+        """The slot now holds *version*, the newest for *workers*."""
+        st = self.slots[slot_id]
+        st.writing = False
+        st.version = version
+        for w in workers:
+            self.latest[w] = Ref(version, slot_id)
+        self.check()
+
+    def connect(self, worker: int) -> Link:
+        """A (new) connection for *worker*: it holds nothing yet."""
+        link = Link()
+        self.links[worker] = link
+        return link
+
+    def disconnect(self, worker: int) -> None:
+        """The worker's connection is gone (it died, or left after detaching its weights)."""
+        self.links.pop(worker, None)
+        self.check()
+
+    def next_delivery(self, worker: int) -> Ref | None:
+        """The ``Receive`` to send now, if nothing is in flight and a newer version waits."""
+        link = self.links.get(worker)
+        latest = self.latest.get(worker)
+        if link is None or latest is None or link.in_flight is not None or latest.version <= link.delivered:
+            return None
+        link.in_flight = latest
+        link.delivered = latest.version
+        self.check()
+        return latest
+
+    def on_staged(self, worker: int, version: int, holds: int | None) -> None:
+        """Manual commit: *version* is staged (in slot *holds*, or in the worker's memory)."""
+        link = self.links[worker]
+        if link.in_flight is not None and link.in_flight.version <= version:
+            link.in_flight = None
+        if link.staged is None or link.staged.version <= version:
+            link.staged = Ref(version, holds)
+        self.check()
+
+    def on_ack(self, worker: int, version: int, ok: bool, holds: int | None) -> None:
+        """The worker answered *version*: applied (its weights now in *holds*) or rejected."""
+        link = self.links[worker]
+        if link.in_flight is not None and link.in_flight.version <= version:
+            link.in_flight = None
+        if ok:
+            if link.staged is not None and link.staged.version <= version:
+                link.staged = None
+            if _debug and link.live is not None and version < link.live.version:
+                raise InvariantError(f"worker {worker} went back from version {link.live.version} to {version}")
+            link.live = Ref(version, holds)
+        self.check()
+
+    # -- invariants ---------------------------------------------------------------------
+
+    def check(self, pool_size: int | None = None, floor: int = 0) -> None:
+        """Raise :class:`InvariantError` if an invariant is broken (only with debug on).
+
+        *pool_size* slots allocated may not exceed the bound (or *floor*, the slots kept
+        allocated whether used or not).
+        """
+        if not _debug:
+            return
+        for who, r in self._all_refs():
+            if r.slot is None:
+                continue
+            st = self.slots.get(r.slot)
+            if st is None:
+                raise InvariantError(f"{who} names slot {r.slot}, which does not exist")
+            if st.writing:
+                raise InvariantError(f"{who} holds slot {r.slot} while it is being written")
+            if st.version != r.version:
+                raise InvariantError(f"{who} expects version {r.version} in slot {r.slot}, which holds {st.version}")
+        for w, link in self.links.items():
+            latest = self.latest.get(w)
+            if link.in_flight is not None and (latest is None or link.in_flight.version > latest.version):
+                raise InvariantError(f"worker {w} has version {link.in_flight.version} in flight, newer than its latest")
+            for r in link.refs():
+                if r.version > link.delivered:
+                    raise InvariantError(f"worker {w} holds version {r.version}, never delivered (delivered {link.delivered})")
+        if pool_size is not None:
+            bound = slot_bound(
+                len(self.latest) or len(self.links),
+                self.manual,
+                len({r.slot for r in self.latest.values()}),
+                sum(st.writing for st in self.slots.values()),
+            )
+            if pool_size > max(bound, floor):
+                raise InvariantError(f"{pool_size} slots allocated, above the bound {bound}")
+
+    def _all_refs(self) -> Iterator[tuple[str, Ref]]:
+        for w, r in self.latest.items():
+            yield f"worker {w} (latest)", r
+        for w, link in self.links.items():
+            for role in ("in_flight", "staged", "live"):
+                r = getattr(link, role)
+                if r is not None:
+                    yield f"worker {w} ({role.replace('_', ' ')})", r
+
+
+# -------------------------------------------------------------------------------- receiver
+
+
+@dataclass
+class Weights:
+    """One version of the weights on a worker: slot views (``slot`` set) or a private set."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    slot: int | None = None
+
+
+class BufferRoles:
+    """Roles of a worker's weight sets: ``live``, ``pending``, ``staging``, or free.
+
+    Private sets (device buffers shaped like the model) are recycled through a free list;
+    slot views are never recycled here (the sender owns the slot).
+    """
+
+    def __init__(self, live: Weights, allocate: Callable[[], dict[str, torch.Tensor]]) -> None:
+        self.live = live
+        self.pending: Weights | None = None
+        self.staging: Weights | None = None
+        self._free: list[dict[str, torch.Tensor]] = []
+        self._allocate = allocate
+
+    def private_sets(self) -> int:
+        """Private sets in existence (live, pending, staging and free)."""
+        roles = [w for w in (self.live, self.pending, self.staging) if w is not None and w.slot is None]
+        return len(roles) + len(self._free)
+
+    def begin_staging(self, version: int) -> Weights:
+        """A free private set (allocated if none) becomes ``staging`` for *version*."""
+        if self.staging is not None:
+            raise InvariantError("a second staging set while one is being written")
+        tensors = self._free.pop() if self._free else self._allocate()
+        self.staging = Weights(version, tensors, None)
+        self.check()
+        return self.staging
+
+    def end_staging(self, completed: bool) -> Weights | None:
+        """The staging copy finished (the set is returned) or was abandoned (set freed)."""
+        staged, self.staging = self.staging, None
+        if staged is None:
+            return None
+        if not completed:
+            self._release(staged)
+            return None
+        return staged
+
+    def stage(self, staged: Weights) -> None:
+        """Manual commit: *staged* becomes ``pending``; the previous pending set is freed."""
+        old, self.pending = self.pending, staged
+        if old is not None:
+            self._release(old)
+        self.check()
+
+    def take_pending(self) -> Weights | None:
+        staged, self.pending = self.pending, None
+        return staged
+
+    def committed(self, new_live: Weights, consumed: Weights | None) -> None:
+        """Commit done: *new_live* is what the model runs; *consumed* (copied from) is freed.
+
+        With a pointer swap the former live set is freed; with an in-place copy the live set
+        keeps its tensors and the staged set was *consumed*.
+        """
+        old = self.live
+        self.live = new_live
+        if old is not new_live and old.tensors is not new_live.tensors:
+            self._release(old)
+        if consumed is not None and consumed is not new_live:
+            self._release(consumed)
+        self.check()
+
+    def detach(self, clone: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> bool:
+        """Leaving: replace every role that views a shared slot by a private copy.
+
+        Returns True if the live set was copied (the model must be re-pointed at it).
+        """
+        moved = False
+        if self.pending is not None and self.pending.slot is not None:
+            self.pending = Weights(self.pending.version, clone(self.pending.tensors), None)
+        if self.live.slot is not None:
+            self.live = Weights(self.live.version, clone(self.live.tensors), None)
+            moved = True
+        return moved
+
+    def views_slot(self) -> set[int]:
+        return {w.slot for w in (self.live, self.pending) if w is not None and w.slot is not None}
+
+    def _release(self, w: Weights) -> None:
+        if w.slot is None and all(w.tensors is not other.tensors for other in self._holders()):
+            self._free.append(w.tensors)
+
+    def _holders(self) -> Iterator[Weights]:
+        for w in (self.live, self.pending, self.staging):
+            if w is not None:
+                yield w
+
+    def check(self, model_tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Raise :class:`InvariantError` if two roles share a set (only with debug on)."""
+        if not _debug:
+            return
+        sets = [(name, w) for name, w in (("live", self.live), ("pending", self.pending), ("staging", self.staging)) if w is not None]
+        ptrs: dict[int, str] = {}
+        for name, w in sets:
+            for t in w.tensors.values():
+                if t.numel() == 0:
+                    continue
+                p = t.data_ptr()
+                if p in ptrs and ptrs[p] != name:
+                    raise InvariantError(f"the {name} set shares storage with the {ptrs[p]} set")
+                ptrs[p] = name
+        for free in self._free:
+            for t in free.values():
+                if t.numel() and t.data_ptr() in ptrs:
+                    raise InvariantError(f"a free set shares storage with the {ptrs[t.data_ptr()]} set")
+        if model_tensors is not None:
+            for key, t in model_tensors.items():
+                live = self.live.tensors.get(key)
+                if live is not None and t.numel() and t.data_ptr() != live.data_ptr():
+                    raise InvariantError(f"the model's {key!r} is not the live set's tensor")
