@@ -5,6 +5,12 @@ Waiting is readiness of the underlying file descriptor in the event loop
 thread cannot be cancelled and would swallow the next message. A cancelled or
 timed-out :meth:`AsyncQueue.get` therefore loses nothing.
 
+Over a ``Connection`` nothing ever blocks the loop: reads take what the kernel holds
+and keep a partial message until the rest arrives; writes go to a bounded buffer that
+the loop flushes when the descriptor becomes writable. The framing is the one of
+``Connection.send``/``recv`` (a 4-byte big-endian length, or ``-1`` and an 8-byte one,
+then the pickle), so either end may be a plain ``Connection``.
+
 Example::
 
     import multiprocessing as mp
@@ -17,11 +23,19 @@ Example::
 from __future__ import annotations
 
 import array
+import asyncio
+import fcntl
+import os
 import queue as _queue
 import select
 import socket
+import stat
+import struct
+import time
+from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue as _MPQueue
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -33,73 +47,185 @@ __all__ = ["AsyncQueue"]
 
 T = TypeVar("T")
 
+DEFAULT_MAX_BUFFER = 16 * 1024 * 1024
+"""Default high-water mark of the write buffer, in bytes."""
+
+_READ_CHUNK = 256 * 1024  # bytes asked of the kernel per read
+_SMALL_FRAME = 16 * 1024  # header and payload up to this size go out as one buffer
+_IOV_MAX = 64  # buffers gathered into one sendmsg
+_SCM_MAX_FD = 253  # Linux: most descriptors one SCM_RIGHTS message carries
+_ANC_SPACE = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
+_RECV_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+_FDS_TIMEOUT = 10.0  # how long recv_fds waits for descriptors announced by a message
+_CLOSE_FLUSH_TIMEOUT = 1.0  # how long aclose tries to flush what is buffered
+_HEADER = struct.Struct("!i")
+_LONG_HEADER = struct.Struct("!iQ")
+_LONG_SIZE = struct.Struct("!Q")
+_EMPTY: Any = object()  # "no complete message yet"
+
+
+def _frame_header(size: int) -> bytes:
+    """The length header ``Connection.send`` writes before a payload of *size* bytes."""
+    if size > 0x7FFFFFFF:
+        return _LONG_HEADER.pack(-1, size)
+    return _HEADER.pack(size)
+
+
+class _BorrowedSocket(socket.socket):
+    """A socket object over a descriptor it does not own: it never closes it, not even when collected."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        self.detach()
+
+
+class _FdBatch:
+    """Descriptors waiting in the write buffer: one marker byte with SCM_RIGHTS."""
+
+    __slots__ = ("fds",)
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+
+_Pending = memoryview | bytes | _FdBatch
+
 
 class AsyncQueue(Generic[T]):
     """``await put`` / ``await get`` over a multiprocessing ``Connection`` or ``Queue``.
 
     One task may read at a time (one reader per file descriptor). Messages should be
     small: weights travel through shared memory, not through the pipe.
+
+    Over a ``Connection`` the queue buffers in both directions. :meth:`put_nowait`
+    writes what the kernel takes at once and leaves the rest to the running event loop;
+    it raises :class:`WouldBlock` while more than *max_buffer* bytes wait to be written
+    (:meth:`put` waits instead). Received bytes are read ahead, so a message may be
+    waiting although the descriptor is not readable: call :meth:`get_nowait` (or
+    :meth:`get`) before waiting on :meth:`fileno` yourself. Once wrapped, do not use
+    the connection's own ``send``/``recv``. Not thread-safe: use it from one event loop.
+    Over a ``Queue`` the multiprocessing queue does its own buffering.
+
+    Example::
+
+        q = AsyncQueue(conn, max_buffer=1 << 20)
+        await q.put(("hello", 1))          # waits while 1 MiB is still unwritten
+        msg = await q.get(timeout=5)
+        await q.aclose()                   # flushes (bounded), then closes
     """
 
-    def __init__(self, endpoint: Connection | _MPQueue[Any]) -> None:
+    def __init__(self, endpoint: Connection | _MPQueue[Any], *, max_buffer: int = DEFAULT_MAX_BUFFER) -> None:
+        if max_buffer < 0:
+            raise ValueError(f"max_buffer must be >= 0, got {max_buffer}")
         self._endpoint = endpoint
+        self._max_buffer = max_buffer
         self._conn: Connection | None
+        self._sock: socket.socket | None = None
+        self._poller: Any = None  # select.poll on the descriptor, POLLIN (readable pipes)
+        self._wpoller: Any = None  # select.poll on the descriptor, POLLOUT (writable pipes)
         if isinstance(endpoint, Connection):
             self._conn = endpoint
             self._fd = endpoint.fileno()
-            # A poll object on the one descriptor: a cheaper readiness probe than Connection.poll.
-            self._poller = select.poll()
-            self._poller.register(self._fd, select.POLLIN)
+            if stat.S_ISSOCK(os.fstat(self._fd).st_mode):
+                self._sock = self._borrow_socket(self._fd)
+            else:
+                self._poller = select.poll()
+                self._poller.register(self._fd, select.POLLIN)
+                self._wpoller = select.poll()
+                self._wpoller.register(self._fd, select.POLLOUT)
         elif isinstance(endpoint, _MPQueue):
             self._conn = None
             self._fd = endpoint._reader.fileno()  # type: ignore[attr-defined]
         else:
             raise TypeError(f"expected a multiprocessing Connection or Queue, got {type(endpoint).__name__}")
-        self._closed = False
+        self._closed = False  # refuses calls (set by close and at the start of aclose)
+        self._released = False  # the descriptor is closed
+        # Reading: bytes read ahead, descriptor batches received, end of stream.
+        self._rbuf = bytearray()
+        self._scratch: memoryview | None = None
+        self._fd_batches: deque[list[int]] = deque()
+        self._eof = False
+        self._read_error: OSError | None = None
+        # Writing: frames and descriptor batches not yet written, in order.
+        self._wq: deque[_Pending] = deque()
+        self._wbytes = 0
+        self._writer_loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._broken: OSError | None = None
+
+    @staticmethod
+    def _borrow_socket(fd: int) -> socket.socket:
+        """A socket object on *fd* (family and type read from it) that leaves its flags as they were."""
+        if socket.getdefaulttimeout() is None:
+            return _BorrowedSocket(fileno=fd)
+        # The constructor would apply the global timeout, that is O_NONBLOCK on a file
+        # description other processes share: keep the socket object in blocking mode
+        # (one attempt per call; MSG_DONTWAIT says when not to wait) and restore the flags.
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        sock = _BorrowedSocket(fileno=fd)
+        sock.settimeout(None)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return sock
 
     @property
     def endpoint(self) -> Connection | _MPQueue[Any]:
         """The wrapped connection or queue."""
         return self._endpoint
 
+    @property
+    def max_buffer(self) -> int:
+        """High-water mark of the write buffer: ``put_nowait`` refuses while more bytes wait."""
+        return self._max_buffer
+
+    @property
+    def write_buffer_size(self) -> int:
+        """Bytes accepted by ``put``/``send_fds`` but not yet written to the pipe."""
+        return self._wbytes
+
     def fileno(self) -> int:
-        """The file descriptor that becomes readable when a message may be waiting."""
+        """The descriptor that becomes readable when more bytes arrive.
+
+        A hint only: messages already read ahead wait in the queue without making it
+        readable, so try :meth:`get_nowait` first.
+        """
         return self._fd
 
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the queue was closed")
 
+    # ------------------------------------------------------------------ reading
+
     def get_nowait(self) -> T:
-        """Return the next message, or raise :class:`WouldBlock` if none is waiting."""
-        self._check_open()
-        if self._conn is None:
-            try:
-                return self._endpoint.get_nowait()  # type: ignore[union-attr,no-any-return]
-            except _queue.Empty:
-                raise WouldBlock from None
-            except (EOFError, OSError) as exc:
-                raise BrokenChannelError("the queue's writer is gone") from exc
-        try:
-            if not self._poller.poll(0):
-                raise WouldBlock
-            return self._conn.recv()  # type: ignore[no-any-return]
-        except (EOFError, ConnectionError) as exc:
-            raise BrokenChannelError("the other end of the pipe is closed") from exc
-        except OSError as exc:
-            if self._closed:
-                raise ClosedError("the queue was closed") from exc
-            raise BrokenChannelError(f"the pipe broke: {exc}") from exc
+        """Return the next message, or raise :class:`WouldBlock` if none is complete yet.
+
+        Raises :class:`BrokenChannelError` once the other end is gone and every complete
+        message that arrived before has been returned.
+        """
+        msg = self._try_get()
+        if msg is _EMPTY:
+            raise WouldBlock
+        return msg  # type: ignore[no-any-return]
 
     async def get(self, timeout: float | None = None) -> T:
         """Wait for the next message; raise :class:`TimeoutError` after *timeout* seconds.
 
-        Cancel-safe: a cancelled or timed-out ``get`` consumes nothing.
+        Cancel-safe: a cancelled or timed-out ``get`` consumes nothing (a partly
+        received message stays buffered for the next call).
         """
-        try:
-            return self.get_nowait()
-        except WouldBlock:
-            pass
+        msg = self._try_get()
+        if msg is not _EMPTY:
+            return msg  # type: ignore[no-any-return]
         if timeout is None:  # the hot path of every reader: no cancel scope to set up
             return await self._wait_and_get()
         with anyio.fail_after(timeout):
@@ -107,81 +233,457 @@ class AsyncQueue(Generic[T]):
 
     async def _wait_and_get(self) -> T:
         while True:
-            await anyio.wait_readable(self._fd)
             try:
-                return self.get_nowait()
-            except WouldBlock:
-                pass
+                await anyio.wait_readable(self._fd)
+            except anyio.ClosedResourceError:
+                raise ClosedError("the queue was closed") from None
+            msg = self._try_get()
+            if msg is not _EMPTY:
+                return msg  # type: ignore[no-any-return]
 
-    def put_nowait(self, item: T) -> None:
-        """Send *item* at once (small control messages never wait on a pipe buffer)."""
+    def _try_get(self) -> Any:
+        """The next message, or ``_EMPTY``; never blocks."""
         self._check_open()
-        try:
-            if self._conn is None:
-                self._endpoint.put_nowait(item)  # type: ignore[union-attr]
-            else:
-                self._conn.send(item)
-        except (BrokenPipeError, ConnectionError, EOFError) as exc:
-            raise BrokenChannelError("the other end of the pipe is closed") from exc
-        except ValueError as exc:  # multiprocessing raises ValueError on a closed queue
-            raise ClosedError(str(exc)) from exc
+        if self._conn is None:
+            try:
+                return self._endpoint.get_nowait()  # type: ignore[union-attr]
+            except _queue.Empty:
+                return _EMPTY
+            except (EOFError, OSError) as exc:
+                raise BrokenChannelError("the queue's writer is gone") from exc
+        msg = self._parse()
+        if msg is not _EMPTY:
+            return msg
+        while self._fill():
+            msg = self._parse()
+            if msg is not _EMPTY:
+                return msg
+        if self._eof or self._broken is not None:
+            self._raise_broken()
+        return _EMPTY
 
-    async def put(self, item: T) -> None:
-        """Send *item*; a checkpoint first, so a cancelled ``put`` sends nothing."""
-        await anyio.lowlevel.checkpoint()
-        self.put_nowait(item)
+    def _parse(self) -> Any:
+        """Unpickle the first frame of the read buffer if it is complete, else ``_EMPTY``."""
+        buf = self._rbuf
+        have = len(buf)
+        if have < 4:
+            return _EMPTY
+        (size,) = _HEADER.unpack_from(buf)
+        start = 4
+        if size < 0:
+            if size != -1:
+                self._eof = True
+                raise BrokenChannelError(f"corrupt message header (length {size})")
+            if have < 12:
+                return _EMPTY
+            (size,) = _LONG_SIZE.unpack_from(buf, 4)
+            start = 12
+        end = start + size
+        if have < end:
+            return _EMPTY
+        view = memoryview(buf)[start:end]
+        try:
+            return ForkingPickler.loads(view)
+        finally:  # the frame is consumed even if it does not unpickle, as with Connection.recv
+            view.release()
+            del buf[:end]
+
+    def _fill(self) -> int:
+        """Read what the kernel holds now (one read); return the byte count, 0 if none or at the end."""
+        if self._eof:
+            return 0
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_READ_CHUNK))
+        scratch = self._scratch
+        if self._sock is None and not self._conn.readable:  # type: ignore[union-attr]
+            raise OSError("connection is write-only")
+        try:
+            if self._sock is not None:
+                n, ancdata, flags, _addr = self._sock.recvmsg_into((scratch,), _ANC_SPACE, _RECV_FLAGS)
+                if ancdata:
+                    self._take_ancillary(ancdata, flags)
+            else:
+                if not self._poller.poll(0):
+                    return 0
+                n = os.readv(self._fd, (scratch,))
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if self._closed:
+                raise ClosedError("the queue was closed") from exc
+            self._eof = True
+            self._read_error = exc
+            return 0
+        if n == 0:
+            self._eof = True
+            return 0
+        self._rbuf += scratch[:n]
+        return n
+
+    def _take_ancillary(self, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
+        fds = array.array("i")
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+        batch = list(fds)
+        if flags & socket.MSG_CTRUNC:
+            batch.append(-1)  # descriptors were dropped: recv_fds will refuse this batch
+        self._fd_batches.append(batch)
+
+    def _raise_broken(self) -> None:
+        if self._read_error is not None:
+            raise BrokenChannelError(f"the pipe broke: {self._read_error}") from self._read_error
+        if self._eof:
+            if self._rbuf:
+                raise BrokenChannelError("the other end of the pipe closed in the middle of a message")
+            raise BrokenChannelError("the other end of the pipe is closed")
+        raise BrokenChannelError(f"the pipe broke: {self._broken}") from self._broken
+
+    # -------------------------------------------------------------- descriptors
+
+    def _require_socket(self) -> socket.socket:
+        if self._sock is None or self._sock.family != socket.AF_UNIX:
+            raise TypeError("file descriptors pass only over a duplex Pipe (a Unix socket)")
+        return self._sock
 
     def send_fds(self, fds: list[int]) -> None:
-        """Pass file descriptors to the peer (Unix socket pipes only, SCM_RIGHTS)."""
+        """Pass file descriptors to the peer (Unix socket pipes only, SCM_RIGHTS).
+
+        They travel in order with the messages: send the message that announces them
+        first, then call ``send_fds``; the peer calls :meth:`recv_fds` (or
+        :meth:`receive_fds`) right after it got that message. The descriptors are
+        duplicated, so the caller may close its own at once. Never raises
+        :class:`WouldBlock`: the high-water mark does not apply here.
+        """
         self._check_open()
+        self._require_socket()
         if not fds:
             return
-        sock = socket.socket(fileno=self._fd, family=socket.AF_UNIX, type=socket.SOCK_STREAM)
+        if len(fds) > _SCM_MAX_FD:
+            raise ValueError(f"at most {_SCM_MAX_FD} descriptors at a time, got {len(fds)}")
+        if self._broken is not None:
+            self._raise_broken()
+        batch = _FdBatch([])
         try:
-            sock.sendmsg([bytes([len(fds) % 256])], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        except OSError as exc:
-            raise BrokenChannelError(f"cannot pass file descriptors: {exc}") from exc
-        finally:
-            sock.detach()
+            for fd in fds:
+                batch.fds.append(os.dup(fd))
+        except BaseException:
+            batch.close()
+            raise
+        self._wq.append(batch)
+        self._wbytes += 1
+        self._start_flush()
 
     def recv_fds(self, count: int) -> list[int]:
-        """Receive *count* file descriptors sent with :meth:`send_fds` (blocks briefly)."""
+        """Receive *count* descriptors sent with :meth:`send_fds`, right after the message announcing them.
+
+        The sender writes them right behind that message, so they are normally here
+        already; otherwise this blocks (at most 10 s, then :class:`BrokenChannelError`).
+        In a task prefer :meth:`receive_fds`, which waits in the event loop.
+        """
         self._check_open()
         if count == 0:
             return []
-        sock = socket.socket(fileno=self._fd, family=socket.AF_UNIX, type=socket.SOCK_STREAM)
+        self._require_socket()
+        deadline: float | None = None
+        while not self._fd_batches:
+            if self._fill():
+                continue
+            if self._eof:
+                self._raise_broken()
+            if deadline is None:
+                deadline = time.monotonic() + _FDS_TIMEOUT
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BrokenChannelError(f"the {count} announced file descriptors did not arrive within {_FDS_TIMEOUT}s")
+            poller = select.poll()
+            poller.register(self._fd, select.POLLIN)
+            poller.poll(max(1, int(remaining * 1000)))
+        return self._take_fds(count)
+
+    async def receive_fds(self, count: int) -> list[int]:
+        """Like :meth:`recv_fds`, but waits in the event loop; cancel-safe.
+
+        Uses the reader's descriptor wait: call it from the task that reads.
+        """
+        await anyio.lowlevel.checkpoint()
+        self._check_open()
+        if count == 0:
+            return []
+        self._require_socket()
+        while not self._fd_batches:
+            if self._fill():
+                continue
+            if self._eof:
+                self._raise_broken()
+            try:
+                await anyio.wait_readable(self._fd)
+            except anyio.ClosedResourceError:
+                raise ClosedError("the queue was closed") from None
+            self._check_open()
+        return self._take_fds(count)
+
+    def _take_fds(self, count: int) -> list[int]:
+        batch = self._fd_batches.popleft()
+        marker = self._rbuf[0] if self._rbuf else None
+        del self._rbuf[:1]
+        if len(batch) != count or marker != count % 256:
+            received = [fd for fd in batch if fd >= 0]
+            _FdBatch(received).close()
+            self._eof = True  # the stream is out of step: nothing after this can be trusted
+            raise BrokenChannelError(f"expected {count} file descriptors, got {len(received)}")
+        return batch
+
+    # ------------------------------------------------------------------ writing
+
+    def put_nowait(self, item: T) -> None:
+        """Send *item* without waiting.
+
+        Over a ``Connection`` the bytes the kernel does not take at once stay buffered
+        and the running event loop writes them when the pipe has room (with no running
+        loop, this blocks until they are written). Raises :class:`WouldBlock`, buffering
+        nothing, while more than ``max_buffer`` bytes wait; a message of any size is
+        accepted below the mark. Raises :class:`BrokenChannelError` once a write failed.
+        """
+        self._check_open()
+        if self._conn is None:
+            try:
+                self._endpoint.put_nowait(item)  # type: ignore[union-attr]
+            except (BrokenPipeError, ConnectionError, EOFError) as exc:
+                raise BrokenChannelError("the other end of the pipe is closed") from exc
+            except ValueError as exc:  # multiprocessing raises ValueError on a closed queue
+                raise ClosedError(str(exc)) from exc
+            return
+        if self._broken is not None:
+            self._raise_broken()
+        if not self._conn.writable:
+            raise OSError("connection is read-only")
+        if self._wbytes > self._max_buffer:
+            raise WouldBlock
+        payload = ForkingPickler.dumps(item)
+        size = len(payload)
+        if size <= _SMALL_FRAME:
+            self._wq.append(_HEADER.pack(size) + payload)
+        else:
+            self._wq.append(_frame_header(size))
+            self._wq.append(payload)
+        self._wbytes += size + (4 if size <= 0x7FFFFFFF else 12)
+        self._start_flush()
+
+    async def put(self, item: T) -> None:
+        """Send *item*, first waiting (in the loop) while more than ``max_buffer`` bytes are unwritten.
+
+        Cancel-safe: a cancelled ``put`` buffered either the whole message or nothing.
+        """
+        await anyio.lowlevel.checkpoint()
+        if self._conn is None:
+            self.put_nowait(item)
+            return
+        while True:
+            try:
+                self.put_nowait(item)
+                return
+            except WouldBlock:
+                await self._wait_written(self._max_buffer)
+
+    async def flush(self) -> None:
+        """Wait until everything accepted by ``put``/``send_fds`` is written to the pipe.
+
+        Raises :class:`BrokenChannelError` if the pipe broke first, :class:`ClosedError`
+        if the queue was closed first.
+        """
+        await anyio.lowlevel.checkpoint()
+        self._check_open()
+        if self._conn is None:
+            return
+        await self._wait_written(0)
+        if self._broken is not None:
+            self._raise_broken()
+        self._check_open()
+
+    def _start_flush(self) -> None:
+        """Write now what the kernel takes; leave the rest to the loop (or block if none runs)."""
+        if self._writer_loop is not None:
+            if not self._writer_loop.is_closed():
+                return  # waiting for writability already; the callback writes in order
+            self._writer_loop = None  # left by a loop that ended: write from here
         try:
-            fds = array.array("i")
-            msg, ancdata, _flags, _addr = sock.recvmsg(1, socket.CMSG_SPACE(count * fds.itemsize))
-            if not msg and not ancdata:
-                raise BrokenChannelError("the other end closed while passing file descriptors")
-            for level, type_, data in ancdata:
-                if level == socket.SOL_SOCKET and type_ == socket.SCM_RIGHTS:
-                    fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-            if len(fds) != count:
-                raise BrokenChannelError(f"expected {count} file descriptors, got {len(fds)}")
-            return list(fds)
-        finally:
-            sock.detach()
+            self._flush()
+        except OSError as exc:
+            self._set_broken(exc)
+            self._raise_broken()
+        if not self._wq:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._flush_blocking()
+            return
+        self._add_writer(loop)
+
+    def _flush(self) -> None:
+        """Write buffered entries while the kernel takes them; raise OSError when the pipe broke."""
+        q = self._wq
+        if self._sock is None:
+            fd = self._fd
+            poll = self._wpoller.poll
+            while q and poll(0):
+                head = q[0]
+                assert not isinstance(head, _FdBatch)
+                try:
+                    # At most PIPE_BUF bytes: a POLLOUT pipe takes that many without blocking.
+                    n = os.write(fd, head[: select.PIPE_BUF])
+                except BlockingIOError:
+                    return
+                self._consume(n)
+            return
+        sock = self._sock
+        while q:
+            head = q[0]
+            if isinstance(head, _FdBatch):
+                fds = array.array("i", head.fds)
+                try:
+                    sock.sendmsg((bytes((len(fds) % 256,)),), ((socket.SOL_SOCKET, socket.SCM_RIGHTS, fds),), _SEND_FLAGS)
+                except BlockingIOError:
+                    return
+                q.popleft()
+                self._wbytes -= 1
+                head.close()
+                continue
+            bufs: list[memoryview | bytes] = []
+            total = 0
+            for entry in q:
+                if isinstance(entry, _FdBatch) or len(bufs) == _IOV_MAX:
+                    break
+                bufs.append(entry)
+                total += len(entry)
+            try:
+                n = sock.sendmsg(bufs, (), _SEND_FLAGS)
+            except BlockingIOError:
+                return
+            self._consume(n)
+            if n < total:
+                return  # the kernel is full: the next try would only fail
+
+    def _consume(self, n: int) -> None:
+        self._wbytes -= n
+        q = self._wq
+        while n:
+            head = q[0]
+            assert not isinstance(head, _FdBatch)
+            size = len(head)
+            if size <= n:
+                q.popleft()
+                n -= size
+            else:
+                q[0] = memoryview(head)[n:]
+                n = 0
+
+    def _flush_blocking(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLOUT)
+        while self._wq:
+            poller.poll()
+            try:
+                self._flush()
+            except OSError as exc:
+                self._set_broken(exc)
+                self._raise_broken()
+
+    def _add_writer(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._writer_loop is loop:
+            return
+        self._remove_writer()
+        loop.add_writer(self._fd, self._on_writable)
+        self._writer_loop = loop
+
+    def _remove_writer(self) -> None:
+        loop, self._writer_loop = self._writer_loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_writer(self._fd)
+
+    def _on_writable(self) -> None:
+        try:
+            self._flush()
+        except OSError as exc:
+            self._set_broken(exc)
+            return
+        if not self._wq:
+            self._remove_writer()
+        self._wake()
+
+    def _set_broken(self, exc: OSError) -> None:
+        if self._broken is None:
+            self._broken = exc
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        self._remove_writer()
+        for entry in self._wq:
+            if isinstance(entry, _FdBatch):
+                entry.close()
+        self._wq.clear()
+        self._wbytes = 0
+        self._wake()
+
+    def _wake(self) -> None:
+        """Resolve the waiters whose condition now holds (all of them once broken or closed)."""
+        if not self._waiters:
+            return
+        done = self._broken is not None or self._released
+        for threshold, fut in self._waiters:
+            if (done or self._wbytes <= threshold) and not fut.done():
+                fut.set_result(None)
+
+    async def _wait_written(self, threshold: int) -> None:
+        """Wait until at most *threshold* bytes are unwritten (or the queue broke or was closed)."""
+        while self._wbytes > threshold and self._broken is None and not self._released:
+            loop = asyncio.get_running_loop()
+            self._add_writer(loop)  # a no-op unless the bytes were left by another loop
+            entry = (threshold, loop.create_future())
+            self._waiters.append(entry)
+            try:
+                await entry[1]
+            finally:
+                self._waiters.remove(entry)
+
+    # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Close the endpoint now (idempotent)."""
-        if self._closed:
+        """Close the endpoint now (idempotent); unwritten bytes are dropped."""
+        if self._released:
             return
         self._closed = True
+        self._released = True
+        try:
+            anyio.notify_closing(self._fd)  # a task waiting in get gets ClosedError
+        except Exception:  # no event loop, or no waiter registered: nothing to wake
+            pass
         if self._conn is None:
             q = self._endpoint
             q.close()
             q.join_thread()  # type: ignore[union-attr]
-        else:
-            self._conn.close()
+            return
+        self._drop_pending()
+        while self._fd_batches:
+            _FdBatch([fd for fd in self._fd_batches.popleft() if fd >= 0]).close()
+        if self._sock is not None:
+            self._sock.detach()
+        self._conn.close()
 
     async def aclose(self) -> None:
-        """Close the endpoint (idempotent); a task waiting on it gets :class:`ClosedError`."""
+        """Close the endpoint (idempotent); a task waiting on it gets :class:`ClosedError`.
+
+        First tries, for at most a second, to write what is still buffered.
+        """
         if not self._closed:
+            self._closed = True
             try:
                 anyio.notify_closing(self._fd)
             except Exception:  # no readiness waiter registered: nothing to wake
                 pass
+        if self._wq and not self._released and self._broken is None:
+            with anyio.move_on_after(_CLOSE_FLUSH_TIMEOUT, shield=True):
+                await self._wait_written(0)
         self.close()
         await anyio.lowlevel.checkpoint()

@@ -221,8 +221,8 @@ class Receiver:
 
     def _ended(self) -> bool:
         """False while the receiver task runs; raises why it ended otherwise."""
-        if self._task is not None and not self._task.done():
-            return False
+        if self._state == "new" or (self._task is not None and not self._task.done()):
+            return False  # not started yet (a waiter may wait for connect), or running
         if self._error is not None:
             raise self._error
         raise ClosedError(f"receiver of worker {self.worker_idx} stopped")
@@ -263,7 +263,7 @@ class Receiver:
             if isinstance(msg, Setup):
                 self._on_setup(msg)
             elif isinstance(msg, MapSlots):
-                fds = self._queue.recv_fds(len(msg.slot_ids))
+                fds = await self._queue.receive_fds(len(msg.slot_ids))
                 for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
                     # Mapping pre-faults every page: off the loop for large slots.
                     self._segments[sid] = await self._get_stager().run(nbytes, Segment.attach, fd, nbytes)

@@ -655,7 +655,7 @@ class Sender:
                 if not slot.transient:
                     link.mapped.add(slot.id)
             link.queue.put_nowait(Receive(ref.version, slot.id, skipped))
-        except (BrokenChannelError, ClosedError):
+        except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the reader task notices the death and reports it
 
     def _start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:

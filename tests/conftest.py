@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import os
+
+# Executable ownership invariants on in every test (and in every worker it spawns).
+os.environ.setdefault("ASYNCSYNC_DEBUG", "1")
+
 import asyncio
 import multiprocessing as mp
-import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
