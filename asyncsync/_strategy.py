@@ -243,7 +243,7 @@ def _check_finite(flat: Mapping[str, torch.Tensor], wire: Mapping[str, TensorSpe
             if t.numel() == 0:
                 continue
             # Rounding is monotonic: the tensor fits the wire dtype iff its extremes do.
-            lo, hi = torch.aminmax(t)
+            lo, hi = torch.aminmax(t.detach())
             ends = torch.stack([lo, hi])
             if not bool(torch.isfinite(ends).all()):
                 bad.append(key)

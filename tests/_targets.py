@@ -17,6 +17,8 @@ def make_model(kind: str = "mlp") -> nn.Module:
         return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
     if kind == "wide":  # another architecture: same keys, other shapes
         return nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 3))
+    if kind == "big":  # 4 MB: staging copies run off the loop, so commits can interleave
+        return nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 2))
     if kind == "bn":
         return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     raise ValueError(kind)
@@ -46,21 +48,71 @@ async def forward_loop(model: nn.Module, stop: asyncio.Event) -> dict[str, int]:
     return {"passes": passes, "mixed": mixed, "versions_seen": len(seen)}
 
 
+def _values(model: nn.Module) -> tuple[float, float]:
+    values = torch.cat([t.detach().float().reshape(-1) for t in model.state_dict().values() if t.is_floating_point()])
+    return float(values.min()), float(values.max())
+
+
+async def commit_watch(scheme: MultiProcessWeightSyncScheme, model: nn.Module, stop: asyncio.Event) -> dict[str, int]:
+    """Manual commits at loop iterations of our choosing; between two awaits the model must
+    hold one version, and it may change only at our own commits."""
+    commits = mixed = silent = 0
+    k = 0
+    while not stop.is_set():
+        before = _values(model)
+        await asyncio.sleep(0)
+        after = _values(model)
+        if after != before:
+            silent += 1  # changed although nobody committed
+        if after[0] != after[1]:
+            mixed += 1
+        k += 1
+        if k % 3 == 0 and scheme.commit() is not None:
+            commits += 1
+            lo, hi = _values(model)
+            if lo != hi:
+                mixed += 1
+    return {"commits": commits, "mixed": mixed, "silent": silent}
+
+
 async def probe_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, ctrl: Any, kind: str = "mlp", opts: dict[str, Any] | None = None) -> dict[str, Any]:
     """A worker that answers probes on *ctrl* while its receiver applies updates."""
-    opts = opts or {}
+    opts = dict(opts or {})
+    raise_on_update = opts.pop("raise_on_update", False)
     torch.set_num_threads(1)
     model = make_model(kind)
     updates: list[int] = []
-    scheme.init_on_receiver(worker_idx=worker_idx, model=model, on_update=lambda w, v: updates.append(v), **opts)
+
+    def on_update(weights: Any, version: int) -> None:
+        updates.append(version)
+        if raise_on_update and version > 0:
+            raise RuntimeError(f"callback failed on version {version}")
+
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model, on_update=on_update, **opts)
     q: AsyncQueue[Any] = AsyncQueue(ctrl)
     stop_forward = asyncio.Event()
     forward: asyncio.Task[dict[str, int]] | None = None
+    watch: asyncio.Task[dict[str, int]] | None = None
     async with scheme:
         while True:
             req = await q.get()
             cmd = req[0]
-            if cmd == "state":
+            if cmd == "block":  # a long synchronous step: the loop does nothing until released
+                await q.put("blocked")
+                q.endpoint.recv()  # type: ignore[union-attr]
+                await q.put("released")
+            elif cmd == "leave":  # close the receiver, keep the model and keep answering probes
+                await scheme.aclose()
+                await q.put(scheme.version)
+            elif cmd == "watch_start":
+                stop_forward.clear()
+                watch = asyncio.ensure_future(commit_watch(scheme, model, stop_forward))
+                await q.put("started")
+            elif cmd == "watch_stop":
+                stop_forward.set()
+                assert watch is not None
+                await q.put(await watch)
+            elif cmd == "state":
                 await q.put((scheme.version, {k: v.detach().clone() for k, v in model.state_dict().items()}))
             elif cmd == "version":
                 await q.put(scheme.version)
@@ -148,3 +200,10 @@ async def orphan_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, r
             outcome = type(exc).__name__ + ": " + str(exc)
         values = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         report.send(("worker-done", outcome, scheme.version, float(values.min()), float(values.max())))
+
+
+async def kind_from_env_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+    """simple_worker whose model kind comes from ASYNCSYNC_TEST_KIND (set before a restart)."""
+    import os
+
+    return await simple_worker(worker_idx, scheme, os.environ.get("ASYNCSYNC_TEST_KIND", "mlp"))

@@ -1,0 +1,231 @@
+"""Regressions found by trying the library as a new user would, on an in-process loopback
+(the real sockets and shared memory, sender and workers in one event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from asyncsync import (
+    ClosedError,
+    MultiProcessWeightSyncScheme,
+    SyncTimeoutError,
+    WeightsError,
+    WorkerError,
+    loopback_worker,
+)
+from tests._targets import fill_, make_model
+
+
+async def connect(scheme: MultiProcessWeightSyncScheme, models: dict[int, nn.Module], **opts: Any) -> dict[int, MultiProcessWeightSyncScheme]:
+    """Loopback workers for *models*, connected (manual mode: version 0 committed)."""
+    workers = {i: loopback_worker(scheme, i) for i in models}
+    for i, w in workers.items():
+        w.init_on_receiver(worker_idx=i, model=models[i], **opts)
+    joining = [asyncio.ensure_future(w.connect()) for w in workers.values()]
+    sending = asyncio.ensure_future(scheme.connect())
+    if scheme.commit_mode == "manual":
+        for w in workers.values():
+            await w.wait_for_version(0)
+            w.commit()
+    await asyncio.gather(*joining)
+    await sending
+    return workers
+
+
+async def close(scheme: MultiProcessWeightSyncScheme, workers: dict[int, MultiProcessWeightSyncScheme]) -> None:
+    await scheme.aclose()
+    for w in workers.values():
+        await w.aclose()
+
+
+def constant(model: nn.Module) -> set[float]:
+    return {float(v) for t in model.state_dict().values() if t.is_floating_point() for v in t.unique()}
+
+
+class Holder:
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy = policy
+
+
+async def test_context_model_id_is_looked_up_at_every_send() -> None:
+    ctx = Holder(make_model())
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model_id="policy", context=ctx, num_workers=1)
+    worker_model = make_model()
+    workers = await connect(scheme, {0: worker_model})
+    try:
+        replacement = make_model()
+        fill_(replacement, 4.0)
+        ctx.policy = replacement  # torchrl looks the model up again at every send
+        await scheme.send()
+        assert constant(worker_model) == {4.0}
+        ctx.policy = None  # type: ignore[assignment]
+        with pytest.raises(WeightsError, match="context.policy is no longer an nn.Module"):
+            await scheme.send()
+    finally:
+        await close(scheme, workers)
+
+
+class Tied(nn.Module):
+    """Tied embeddings and a non-persistent buffer (like a rotary inv_freq)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
+
+
+@pytest.mark.parametrize("source", ["model", "state_dict"])
+@pytest.mark.parametrize("sent", ["model", "state_dict", "tensordict"])
+async def test_tied_weights_and_non_persistent_buffers_in_every_format(source: str, sent: str) -> None:
+    trainer = Tied()
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    if source == "model":
+        scheme.init_on_sender(model=trainer, num_workers=1)
+    else:
+        scheme.init_on_sender(weights=trainer.state_dict(), num_workers=1)
+    worker_model = Tied()
+    worker_model.inv_freq.fill_(7.0)  # its own, never sent
+    workers = await connect(scheme, {0: worker_model})
+    try:
+        with torch.no_grad():
+            trainer.emb.weight.fill_(3.0)
+        weights = {"model": trainer, "state_dict": trainer.state_dict(), "tensordict": TensorDict.from_module(trainer)}[sent]
+        await scheme.send(weights)
+        assert bool((worker_model.emb.weight == 3.0).all())
+        assert worker_model.head.weight is worker_model.emb.weight  # still tied
+        assert bool((worker_model.inv_freq == 7.0).all())
+    finally:
+        await close(scheme, workers)
+
+
+async def test_check_finite_checks_the_wire_dtype() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=10, check_finite=True, transfer_dtype=torch.float16)
+    scheme.init_on_sender(model=model, num_workers=1)
+    worker_model = make_model()
+    workers = await connect(scheme, {0: worker_model})
+    try:
+        fill_(model, 1e5)  # finite in float32, inf in float16
+        with pytest.raises(WeightsError, match="float16"):
+            await scheme.send()
+        fill_(model, 1e3)
+        await scheme.send()
+        assert constant(worker_model) == {1e3}
+    finally:
+        await close(scheme, workers)
+
+
+async def test_a_failed_async_with_leaves_nothing_running_and_connect_can_be_retried() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=0.2)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    with pytest.raises(SyncTimeoutError):
+        async with scheme:  # nobody connects
+            pass
+    assert scheme.statistics().workers[0].state == "waiting"
+    with pytest.raises(ClosedError):
+        await scheme.send()
+    # a bare connect() that timed out can be awaited again once the worker is there
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    with pytest.raises(SyncTimeoutError):
+        await scheme.connect(timeout=0.05)
+    worker = loopback_worker(scheme, 0)
+    worker_model = make_model()
+    worker.init_on_receiver(worker_idx=0, model=worker_model)
+    joining = asyncio.ensure_future(worker.connect())
+    assert await scheme.connect() == 0
+    await joining
+    await close(scheme, {0: worker})
+
+
+async def test_devices_that_cannot_be_used_fail_early_with_the_real_reason() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(ValueError, match="worker 0: device cuda:0 requested, but CUDA is not available"):
+        MultiProcessWeightSyncScheme().init_on_sender(model=make_model(), devices=["cuda:0"])
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    worker = loopback_worker(scheme, 0)
+    worker.init_on_receiver(worker_idx=0, model=make_model(), device="cuda:0")
+    joining = asyncio.ensure_future(worker.connect())
+    with pytest.raises(WorkerError, match="cannot place the model on cuda:0"):
+        await scheme.connect()
+    assert await joining == -1  # the worker runs on, with its own weights
+    await close(scheme, {0: worker})
+
+
+async def test_waiting_for_a_version_not_sent_yet_is_an_error() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    workers = await connect(scheme, {0: make_model()})
+    try:
+        with pytest.raises(ValueError, match="version 5 was not sent yet"):
+            await scheme.wait_async(version=5)
+    finally:
+        await close(scheme, workers)
+
+
+async def test_fork_and_double_unpickling_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="'spawn'"):
+        MultiProcessWeightSyncScheme().init_on_sender(model=make_model(), num_workers=1, ctx=mp.get_context("fork"))
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    scheme.sender._pid = -1  # what a child that inherited the scheme by fork sees
+    with pytest.raises(RuntimeError, match="reached the worker by fork"):
+        scheme.init_on_receiver(worker_idx=0, model=make_model())
+    scheme.sender._pid = __import__("os").getpid()
+    data = pickle.dumps(scheme)
+    first = pickle.loads(data)
+    with pytest.raises(RuntimeError, match="can be unpickled once"):
+        pickle.loads(data)
+    for end in first._endpoints.values():
+        end.close()
+    await scheme.aclose()
+
+
+async def test_subset_then_partial_to_all_needs_no_wait() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=2)
+    scheme.init_on_sender(model=model, num_workers=2)
+    models = {0: make_model(), 1: make_model()}
+    workers = await connect(scheme, models)
+    try:
+        fill_(model, 1.0)
+        await scheme.send(worker_ids=[1])
+        v = await scheme.send({"0.bias": torch.full((16,), 5.0)}, partial=True)  # two bases: two slots
+        assert scheme.sender.applied_versions() == {0: v, 1: v}
+        assert bool((models[1].state_dict()["0.weight"] == 1.0).all())
+        assert bool((models[0].state_dict()["0.bias"] == 5.0).all())
+        assert torch.equal(models[0].state_dict()["0.weight"], make_model().state_dict()["0.weight"])
+    finally:
+        await close(scheme, workers)
+
+
+async def test_manual_workers_on_different_versions_never_block_send_async() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=2, commit_mode="manual")
+    scheme.init_on_sender(model=model, num_workers=2)
+    workers = await connect(scheme, {0: make_model(), 1: make_model()})
+    try:
+        for k in range(10):  # worker 0 commits everything, worker 1 nothing
+            fill_(model, float(k))
+            v = await scheme.send_async()
+            await workers[0].wait_for_version(v)
+            workers[0].commit()
+        await scheme.wait_async(worker_ids=[0])
+        assert workers[1].version == 0 and workers[1].update_pending
+        assert workers[1].commit() == v
+        await scheme.wait_async()
+    finally:
+        await close(scheme, workers)
