@@ -61,7 +61,7 @@ def fill(sd: dict[str, torch.Tensor], values: dict[str, float]) -> None:
 def content(tensors: dict[str, torch.Tensor]) -> dict[str, float | None]:
     """Each key's value (the tensors are constant-filled), None where a tensor is mixed."""
     out: dict[str, float | None] = {}
-    for k in KEYS:
+    for k in KEYS if set(KEYS) <= set(tensors) else list(tensors):
         t = tensors[k].detach().float()
         lo, hi = float(t.min()), float(t.max())
         out[k] = lo if lo == hi else None
@@ -469,3 +469,144 @@ def _describe(fds: set[str]) -> dict[str, str]:
         except OSError:
             out[fd] = "?"
     return out
+
+
+# ------------------------------------------------------------------ across processes
+
+
+class ProcessMachine(RuleBasedStateMachine):
+    """The same guarantees with the workers in spawned processes (slow: each example
+    spawns two). Workers answer probes (tests/_targets.py ``probe_worker``); a busy worker
+    blocks its loop on a pipe until released; a killed worker is SIGKILLed."""
+
+    steps = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.cluster: Any = None
+        self.expected: dict[int, dict[int, dict[str, float]]] = {}
+        self.state: dict[int, str] = {}
+        self.last_version: dict[int, int] = {}
+        self.value = 0.0
+
+    def run(self, coro: Any, timeout: float | None) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, HANG + (timeout or 0.0)))
+
+    def fill_model(self, keys: list[str] | None = None) -> dict[str, float]:
+        self.value += 1.0
+        values = dict.fromkeys(keys or self.keys, self.value)
+        fill(self.cluster.model.state_dict(), values)
+        return values
+
+    def record(self, before: int, targets: list[int], values: dict[str, float]) -> None:
+        after = self.cluster.scheme.version
+        assert after in (before, before + 1)
+        if after == before + 1:
+            for i in targets:
+                base = self.expected[i][self.latest[i]]
+                self.expected[i][after] = {**base, **values}
+                self.latest[i] = after
+
+    @initialize(manual=st.booleans(), cast=st.booleans(), commit=st.sampled_from(["swap", "copy"]), transport=st.sampled_from(["shm", "queue"]))
+    def setup(self, manual: bool, cast: bool, commit: str, transport: str) -> None:
+        from tests.conftest import Cluster
+
+        self.manual = manual
+        self.cluster = Cluster.of(
+            ["mlp", "mlp"],
+            commit_mode="manual" if manual else "auto",
+            transfer_dtype=torch.bfloat16 if cast else None,
+            commit=commit,
+            transport=transport,
+            on_worker_error="skip",
+        )
+        self.keys = list(self.cluster.model.state_dict())
+        values = self.fill_model()
+        self.run(self.cluster.start_manual() if manual else self.cluster.start(), HANG)
+        self.expected = {i: {0: dict(values)} for i in range(2)}
+        self.latest = dict.fromkeys(range(2), 0)
+        self.state = dict.fromkeys(range(2), "running")
+        self.last_version = dict.fromkeys(range(2), 0)
+
+    @rule(kind=st.sampled_from(["send", "send_async"]), subset=st.sampled_from([None, [0], [1]]), partial=st.booleans())
+    def send(self, kind: str, subset: list[int] | None, partial: bool) -> None:
+        scheme = self.cluster.scheme
+        targets = subset or [0, 1]
+        keys = self.keys[:1] if partial else None
+        values = self.fill_model(keys)
+        weights = {k: self.cluster.model.state_dict()[k] for k in keys} if keys else None
+        before = scheme.version
+        call = scheme.send if kind == "send" else scheme.send_async
+        try:
+            self.run(call(weights, targets, partial=partial, timeout=0.3), 0.3)
+        except (SyncTimeoutError, WorkerDiedError):
+            pass
+        self.record(before, targets, values)
+
+    @rule(kind=st.sampled_from(["send", "send_async", "wait_async"]), steps=st.integers(0, 6))
+    def cancelled(self, kind: str, steps: int) -> None:
+        scheme = self.cluster.scheme
+        before = scheme.version
+        values = self.fill_model() if kind != "wait_async" else {}
+        task = self.loop.create_task(getattr(scheme, kind)(timeout=0.3))
+
+        async def cancel() -> None:
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, SyncTimeoutError, WorkerDiedError):
+                pass
+
+        self.run(cancel(), 0.3)
+        self.record(before, [0, 1], values)
+
+    @precondition(lambda self: self.manual)
+    @rule(idx=st.integers(0, 1))
+    def commit(self, idx: int) -> None:
+        if self.state[idx] == "running":
+            self.run(self.cluster.probes[idx].ask("commit"), None)
+
+    @rule(idx=st.integers(0, 1))
+    def block(self, idx: int) -> None:
+        if self.state[idx] == "running":
+            assert self.run(self.cluster.probes[idx].ask("block"), None) == "blocked"
+            self.state[idx] = "blocked"
+
+    @rule(idx=st.integers(0, 1))
+    def release(self, idx: int) -> None:
+        if self.state[idx] == "blocked":
+            self.run(self.cluster.probes[idx].ask("release"), None)
+            self.state[idx] = "running"
+
+    @rule(idx=st.integers(0, 1))
+    def kill(self, idx: int) -> None:
+        if self.state[idx] in ("running", "blocked"):
+            self.cluster.groups[idx].kill(idx)
+            self.run(self.cluster.scheme.sender.wait_dead(idx, timeout=HANG), HANG)
+            self.state[idx] = "dead"
+
+    @invariant()
+    def workers_hold_one_sent_version(self) -> None:
+        if self.cluster is None:
+            return
+        ProcessMachine.steps += 1
+        self.cluster.scheme.sender.ledger.check()
+        for i, state in self.state.items():
+            if state != "running":
+                continue
+            version, sd = self.run(self.cluster.state(i), None)
+            assert version >= self.last_version[i], (i, self.last_version[i], version)
+            self.last_version[i] = version
+            assert content(sd) == self.expected[i][version], (i, version, content(sd), self.expected[i][version])
+
+    def teardown(self) -> None:
+        try:
+            if self.cluster is not None:
+                for i in range(2):
+                    self.release(i)
+                self.run(self.cluster.kill_close(), HANG)
+        finally:
+            self.loop.close()
