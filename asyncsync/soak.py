@@ -3,6 +3,13 @@
 Run: ``python -m asyncsync.soak --minutes 2``. The last line reads
 ``sends=N faults=N detected=N max_detect_ms=X leaks=N``; the exit status is non-zero if a
 fault went undetected, a worker ended on the wrong weights, or anything leaked.
+
+``--stateful`` then runs the ownership state machine of the test suite for the same
+time: random interleavings of sends (full, partial, subsets, several sources), manual
+commits, busy workers, cancellations, leaves, kills and restarts, on the in-process
+loopback and across processes, checking every guarantee after every step (run it from
+the repository root with the ``test`` extra installed). Its line reads
+``stateful_steps=N stateful_process_steps=N``.
 """
 
 from __future__ import annotations
@@ -127,13 +134,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between worker kills")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stateful", action="store_true", help="also run the ownership state machine for --minutes")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     c = asyncio.run(soak(args.minutes, args.workers, args.params, args.seed, args.kill_every))
     print(f"cancelled={c['cancelled']} wrong_final_weights={c['wrong']}")
     print(f"sends={c['sends']} faults={c['faults']} detected={c['detected']} max_detect_ms={c['max_detect_ms']:.1f} leaks={c['leaks']}")
     ok = c["detected"] == c["faults"] and c["leaks"] == 0 and c["wrong"] == 0
+    if args.stateful:
+        steps, process_steps = stateful(args.minutes)
+        print(f"stateful_steps={steps} stateful_process_steps={process_steps}")
     return 0 if ok else 1
+
+
+def stateful(minutes: float) -> tuple[int, int]:
+    """Run the test suite's state machines for about *minutes* (loopback: 2/3, processes: 1/3)."""
+    try:
+        from hypothesis import HealthCheck, settings
+        from hypothesis.stateful import run_state_machine_as_test
+
+        from tests.stateful import ProcessMachine, run_machine
+    except ImportError as exc:
+        raise SystemExit(f"--stateful needs the test extra and the repository root as working directory ({exc})") from None
+    quick = list(HealthCheck)
+    deadline = time.monotonic() + minutes * 60 * 2 / 3
+    steps = 0
+    while time.monotonic() < deadline:  # batches, each with its own leak check
+        steps += run_machine(settings(max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=quick, database=None))
+    ProcessMachine.steps = 0
+    examples = max(int(minutes * 60 / 3 / 15), 1)  # ~15 s an example (two spawned workers)
+    run_state_machine_as_test(
+        ProcessMachine, settings=settings(max_examples=examples, stateful_step_count=30, deadline=None, suppress_health_check=quick, database=None)
+    )
+    return steps, ProcessMachine.steps
 
 
 if __name__ == "__main__":
