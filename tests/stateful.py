@@ -231,15 +231,17 @@ class SyncMachine(RuleBasedStateMachine):
         assert self.scheme is not None
         before = self.scheme.version
         planned = self.fill_sources() if kind != "wait_async" else {}
-        coro = {"send": self.scheme.send, "send_async": self.scheme.send_async, "wait_async": self.scheme.wait_async}[kind](timeout=SHORT)
+        coro: Any = getattr(self.scheme, kind)(timeout=SHORT)
         task = self.loop.create_task(coro)
         self.advance(steps)
         task.cancel()
 
+        ok: tuple[type[BaseException], ...] = (asyncio.CancelledError, *self.sender_ok_errors(list(self.params_map)))
+
         async def settle() -> None:
             try:
                 await task
-            except (asyncio.CancelledError, *self.sender_ok_errors(list(self.params_map))):
+            except ok:
                 pass
 
         self.run(settle(), SHORT)
