@@ -229,3 +229,31 @@ async def test_manual_workers_on_different_versions_never_block_send_async() -> 
         await scheme.wait_async()
     finally:
         await close(scheme, workers)
+
+
+async def test_sends_cancelled_during_a_threaded_copy_keep_the_books_straight() -> None:
+    # 8 MB: the trainer's copy into the slot runs in its copy thread, which a cancel cannot stop
+    model = nn.Sequential(nn.Linear(1024, 2048))
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=model, num_workers=1)
+    worker_model = nn.Sequential(nn.Linear(1024, 2048))
+    workers = await connect(scheme, {0: worker_model})
+    try:
+        for k in range(6):
+            fill_(model, float(k))
+            task = asyncio.ensure_future(scheme.send())
+            for _ in range(k):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            scheme.sender.ledger.check()
+        fill_(model, 42.0)
+        v = await scheme.send()
+        assert scheme.sender.applied_versions() == {0: v}
+        assert constant(worker_model) == {42.0}
+        assert scheme.statistics().slots <= 4  # k·W + L + G + 1 with W = 1
+    finally:
+        await close(scheme, workers)
