@@ -225,11 +225,11 @@ class SlotLedger:
 
     # -- invariants ---------------------------------------------------------------------
 
-    def check(self, pool_size: int | None = None, floor: int = 0) -> None:
+    def check(self, pool_size: int | None = None, floor: int = 0, adding: int = 0) -> None:
         """Raise :class:`InvariantError` if an invariant is broken (only with debug on).
 
-        *pool_size* slots allocated may not exceed the bound (or *floor*, the slots kept
-        allocated whether used or not).
+        *pool_size* slots may not exceed the bound for the current owners (or *floor*, the
+        slots kept allocated whether used or not); *adding*: slots about to be reserved.
         """
         if not _debug:
             return
@@ -255,7 +255,7 @@ class SlotLedger:
                 len(self.latest) or len(self.links),
                 self.manual,
                 len({r.slot for r in self.latest.values()}),
-                sum(st.writing for st in self.slots.values()),
+                sum(st.writing for st in self.slots.values()) + adding,
             )
             if pool_size > max(bound, floor):
                 raise InvariantError(f"{pool_size} slots allocated, above the bound {bound}")

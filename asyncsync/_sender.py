@@ -587,6 +587,8 @@ class Sender:
         return any(link.in_flight is not None or link.staged is not None for link in self._ledger.links.values())
 
     def _release_unused(self) -> None:
+        if self._pool.reuse:  # slots are kept for reuse: nothing to free
+            return
         freed = set(self._pool.slots)
         self._pool.release_unused()
         freed -= set(self._pool.slots)

@@ -87,6 +87,8 @@ class SlotPool:
         if free:
             slot = self.slots[min(free)]
         elif self.max_slots is None or len(self.slots) < self.max_slots:
+            # Every slot is held: one more is needed, and the bound must allow it.
+            self.ledger.check(len(self.slots) + 1, adding=1)
             slot = self._allocate(transient=not self.reuse)
         else:
             return None
