@@ -31,6 +31,8 @@ class Signal:
 
         ``ready`` may raise to end the wait with an error.
         """
+        if ready():  # the common case on hot paths: no cancel scope to set up
+            return True
         with anyio.move_on_after(math.inf if timeout is None else timeout):
             while not ready():
                 await self._event.wait()
