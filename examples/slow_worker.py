@@ -38,16 +38,18 @@ async def worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, step_s: 
             steps += 1
             await asyncio.sleep(0)
             if leave_after is not None and steps == leave_after:
-                break  # leave: `async with` closes the receiver, the model is kept
-        if not stopped.done():
+                break  # leave: the end of `async with` closes the receiver, the model is kept
+        left = not stopped.done()
+        if left:
             stopped.cancel()
-            kept = scheme.version
-            first = next(policy.parameters()).detach().clone()
-            for _ in range(40):  # keep serving; nothing changes our weights any more
-                time.sleep(step_s)
-                await asyncio.sleep(0)
-            assert torch.equal(first, next(policy.parameters())), "weights changed after leaving"
-            return {"left_at_version": kept, "steps": steps, "stats": scheme.receiver.statistics()}
+    if left:
+        kept = scheme.version
+        first = next(policy.parameters()).detach().clone()
+        for _ in range(40):  # keep serving; nothing changes our weights any more
+            time.sleep(step_s)
+            await asyncio.sleep(0)
+        assert torch.equal(first, next(policy.parameters())), "weights changed after leaving"
+        return {"left_at_version": kept, "steps": steps, "stats": scheme.receiver.statistics()}
     return {"version": scheme.version, "steps": steps, "stats": scheme.receiver.statistics()}
 
 
@@ -68,11 +70,11 @@ async def main() -> None:
                 loss.backward()
                 optim.step()
                 await scheme.send_async()  # never waits for worker 1
+                await asyncio.sleep(0.01)  # the rest of a training step's awaits
                 if step % 50 == 0:
                     stats = scheme.sender.statistics()
                     lags = {w.worker_idx: (w.state, w.lag) for w in stats.workers}
                     print(f"step {step:3d}  v{stats.version}  slots={stats.slots}  (state, lag) per worker: {lags}")
-                await asyncio.sleep(0)
             print(f"200 sends in {time.perf_counter() - t0:.2f} s")
             await scheme.wait_async()  # worker 0 applied the newest; worker 1 left (skipped)
             w1 = scheme.sender.statistics().worker(1)
