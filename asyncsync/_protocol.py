@@ -204,6 +204,8 @@ def encode(msg: Message) -> bytes:
     counts over the limits. Error texts and reasons over the limit are shortened instead.
     """
     if type(msg) is Receive:  # the hot path
+        if msg.slot == _NONE:
+            raise ValueError(f"cannot encode {msg!r}: slot id {_NONE} is reserved (it means None)")
         try:
             return _RECEIVE_S.pack(MAGIC, PROTOCOL_VERSION, _RECEIVE, _RECEIVE_S.size - _H, msg.version, msg.slot, msg.skipped)
         except struct.error as exc:
