@@ -301,7 +301,7 @@ def traced() -> Any:
     tracemalloc.stop()
 
 
-FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a hang hits the test timeout
 
 
 @FUZZ
