@@ -317,6 +317,9 @@ _ENCODERS: dict[type, Callable[..., bytes]] = {
 # --------------------------------------------------------------------------- decoding
 
 
+_new = tuple.__new__  # builds a NamedTuple from checked fields, without its Python-level __new__
+
+
 def _error(kind: str, field: str, problem: str) -> ProtocolError:
     return ProtocolError(f"{kind}: field {field!r}: {problem}")
 
@@ -345,12 +348,11 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         if not isinstance(data, (bytearray, memoryview)):
             raise TypeError(f"decode() takes bytes, not {type(data).__name__}")
         data = bytes(data)
-    if len(data) < _H:
-        _check_header(data)
-    decoder = _DECODERS.get(data[3])
-    if decoder is None:
-        _check_header(data)
-        raise _error("frame", "type", f"unknown message type {data[3]}")  # pragma: no cover - _check_header raised
+    try:
+        decoder = _DECODERS[data[3]]
+    except (IndexError, KeyError):
+        _check_header(data)  # raises: too short, or a bad magic, version or type
+        raise AssertionError from None  # pragma: no cover
     return decoder(data)
 
 
@@ -360,7 +362,7 @@ def _decode_receive(data: bytes) -> Receive:
         if magic == MAGIC and ver == PROTOCOL_VERSION and length == _RECEIVE_S.size - _H:
             if slot == _NONE:
                 raise _error("Receive", "slot", "missing (the None sentinel)")
-            return Receive(version, slot, skipped)
+            return _new(Receive, (version, slot, skipped))
     _check_fixed(data, "Receive", _RECEIVE_S)
     raise AssertionError  # pragma: no cover
 
@@ -384,7 +386,7 @@ def _decode_ack(data: bytes) -> Ack:
                 error = _string(data, _ACK_S.size, nerr, n, "Ack", "error")
                 if _ACK_S.size + nerr != n:
                     raise _error("Ack", "error", f"trailing bytes: {n - _ACK_S.size - nerr} after the error text")
-            return Ack(worker, version, bool(ok), error, None if holds == _NONE else holds, stage_s, commit_s)
+            return _new(Ack, (worker, version, ok == 1, error, None if holds == _NONE else holds, stage_s, commit_s))
     _check_fixed(data, "Ack", _ACK_S, exact=False)
     raise AssertionError  # pragma: no cover
 
