@@ -8,7 +8,8 @@
     ├── BrokenChannelError     the peer's end of a channel vanished
     │   ├── WorkerDiedError    a worker process died (sender side)
     │   │   └── WorkerLeftError    its receiver ended while the process lives on
-    │   └── SenderDiedError    the trainer died (worker side)
+    │   ├── SenderDiedError    the trainer died (worker side)
+    │   └── ProtocolError      a peer sent a malformed control message
     ├── WeightsError           bad weights given to ``send`` (also ``ValueError``)
     ├── WorkerError            a worker rejected a payload; it kept its old weights
     ├── WorkerProcessError     a worker function started by ``spawn_workers`` raised
@@ -25,6 +26,7 @@ __all__ = [
     "BrokenChannelError",
     "CapacityError",
     "ClosedError",
+    "ProtocolError",
     "SenderDiedError",
     "SyncTimeoutError",
     "WeightsError",
@@ -56,19 +58,21 @@ class WorkerDiedError(BrokenChannelError):
     """A worker process died or dropped its channel.
 
     ``worker_idx`` names the worker, ``exitcode`` is its exit status when known
-    (negative: killed by that signal), ``pid`` its process id when known.
+    (negative: killed by that signal), ``pid`` its process id when known. ``reason`` is
+    set when the sender cut the channel itself (the worker sent a malformed message).
     """
 
-    def __init__(self, worker_idx: int, exitcode: int | None = None, pid: int | None = None) -> None:
+    def __init__(self, worker_idx: int, exitcode: int | None = None, pid: int | None = None, reason: str | None = None) -> None:
         self.worker_idx = worker_idx
         self.exitcode = exitcode
         self.pid = pid
+        self.reason = reason
         code = "unknown" if exitcode is None else str(exitcode)
         who = f"worker {worker_idx}" + (f" (pid {pid})" if pid else "")
-        super().__init__(f"{who} died, exit code {code}")
+        super().__init__(f"{who} died, exit code {code}" if reason is None else f"{who} was cut off: {reason}")
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (type(self), (self.worker_idx, self.exitcode, self.pid))
+        return (type(self), (self.worker_idx, self.exitcode, self.pid, self.reason))
 
 
 class WorkerLeftError(WorkerDiedError):
@@ -78,9 +82,8 @@ class WorkerLeftError(WorkerDiedError):
     """
 
     def __init__(self, worker_idx: int, reason: str, version: int = -1, pid: int | None = None) -> None:
-        self.reason = reason
         self.version = version
-        super().__init__(worker_idx, None, pid)
+        super().__init__(worker_idx, None, pid, reason)
         who = f"worker {worker_idx}" + (f" (pid {pid})" if pid else "")
         self.args = (f"{who} left at version {version}: {reason}",)
 
@@ -95,6 +98,14 @@ class CapacityError(AsyncSyncError):
 
 class SenderDiedError(BrokenChannelError):
     """The sender (trainer) went away; the worker keeps its last complete weights."""
+
+
+class ProtocolError(BrokenChannelError):
+    """A peer sent a control message that does not decode (bad header, field or layout).
+
+    The message names the message type and the field. The channel is out of step with its
+    peer from then on: the side that gets it closes the channel.
+    """
 
 
 class WeightsError(AsyncSyncError, ValueError):

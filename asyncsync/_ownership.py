@@ -20,6 +20,10 @@ A worker's roles on slots, one connection (a :class:`Link`) at a time:
 - ``staged``: manual commit: the version waits for ``commit()`` in that slot.
 - ``live``: the worker's parameters view the slot (CPU, ``commit="swap"``).
 
+A connection the sender cuts because the worker broke the protocol is *retired*: its process
+may still view what it held, so those slots stay owned for good (at most k more slots per
+such connection).
+
 Invariants: a slot being written has no owner; every owned slot holds exactly the version
 its owners name; a link has at most one version in flight; versions only go up; the pool
 never holds more slots than :func:`slot_bound`.
@@ -118,6 +122,7 @@ class SlotLedger:
     latest: dict[int, Ref] = field(default_factory=dict)  # worker id -> newest version sent
     links: dict[int, Link] = field(default_factory=dict)  # worker id -> current connection
     slots: dict[int, _SlotState] = field(default_factory=dict)
+    retired: list[Link] = field(default_factory=list)  # cut connections that may still view their slots
     _applied: dict[int, int] = field(default_factory=dict)  # per link id: last live version seen
 
     # -- the slot pool's view ---------------------------------------------------------
@@ -133,7 +138,7 @@ class SlotLedger:
     def owned(self) -> set[int]:
         """Slots some worker holds in some role."""
         out = {r.slot for r in self.latest.values() if r.slot is not None}
-        for link in self.links.values():
+        for link in (*self.links.values(), *self.retired):
             out.update(r.slot for r in link.refs() if r.slot is not None)
         return out
 
@@ -153,6 +158,7 @@ class SlotLedger:
                 r = getattr(link, role)
                 if r is not None and r.slot == slot_id:
                     out.append(f"worker {w} {role.replace('_', ' ')}")
+        out += [f"a retired connection ({i})" for i, link in enumerate(self.retired) for r in link.refs() if r.slot == slot_id]
         if slot_id in self.slots and self.slots[slot_id].writing:
             out.append("being written")
         return out
@@ -188,6 +194,14 @@ class SlotLedger:
     def disconnect(self, worker: int) -> None:
         """The worker's connection is gone (it died, or left after detaching its weights)."""
         self.links.pop(worker, None)
+        self.check()
+
+    def retire(self, worker: int) -> None:
+        """The sender cut the worker's connection (it broke the protocol) while its process
+        may still view the slots that connection held: they stay owned, never written again."""
+        link = self.links.pop(worker, None)
+        if link is not None and any(r.slot is not None for r in link.refs()):
+            self.retired.append(link)
         self.check()
 
     def next_delivery(self, worker: int) -> Ref | None:
@@ -256,7 +270,7 @@ class SlotLedger:
                 self.manual,
                 len({r.slot for r in self.latest.values()}),
                 sum(st.writing for st in self.slots.values()) + adding,
-            )
+            ) + sum(r.slot is not None for link in self.retired for r in link.refs())
             if pool_size > max(bound, floor):
                 raise InvariantError(f"{pool_size} slots allocated, above the bound {bound}")
 
@@ -268,6 +282,9 @@ class SlotLedger:
                 r = getattr(link, role)
                 if r is not None:
                     yield f"worker {w} ({role.replace('_', ' ')})", r
+        for i, link in enumerate(self.retired):
+            for r in link.refs():
+                yield f"retired connection {i}", r
 
 
 # -------------------------------------------------------------------------------- receiver

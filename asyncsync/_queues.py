@@ -227,43 +227,67 @@ class AsyncQueue(Generic[T]):
         if msg is not _EMPTY:
             return msg  # type: ignore[no-any-return]
         if timeout is None:  # the hot path of every reader: no cancel scope to set up
-            return await self._wait_and_get()
+            return await self._wait_and_get()  # type: ignore[no-any-return]
         with anyio.fail_after(timeout):
-            return await self._wait_and_get()
+            return await self._wait_and_get()  # type: ignore[no-any-return]
 
-    async def _wait_and_get(self) -> T:
+    def get_bytes_nowait(self) -> bytes:
+        """Return the next frame's bytes as they came (no unpickling), or raise :class:`WouldBlock`.
+
+        Same framing, buffering and end-of-stream behaviour as :meth:`get_nowait`; the peer
+        writes with :meth:`put_bytes_nowait` (or ``Connection.send_bytes``). ``Connection``
+        endpoints only (a ``Queue`` pickles everything).
+        """
+        frame = self._try_get(raw=True)
+        if frame is _EMPTY:
+            raise WouldBlock
+        return frame  # type: ignore[no-any-return]
+
+    async def get_bytes(self, timeout: float | None = None) -> bytes:
+        """Wait for the next frame's bytes (no unpickling); cancel-safe, like :meth:`get`."""
+        frame = self._try_get(raw=True)
+        if frame is not _EMPTY:
+            return frame  # type: ignore[no-any-return]
+        if timeout is None:
+            return await self._wait_and_get(raw=True)  # type: ignore[no-any-return]
+        with anyio.fail_after(timeout):
+            return await self._wait_and_get(raw=True)  # type: ignore[no-any-return]
+
+    async def _wait_and_get(self, raw: bool = False) -> Any:
         while True:
             try:
                 await anyio.wait_readable(self._fd)
             except anyio.ClosedResourceError:
                 raise ClosedError("the queue was closed") from None
-            msg = self._try_get()
+            msg = self._try_get(raw)
             if msg is not _EMPTY:
-                return msg  # type: ignore[no-any-return]
+                return msg
 
-    def _try_get(self) -> Any:
-        """The next message, or ``_EMPTY``; never blocks."""
+    def _try_get(self, raw: bool = False) -> Any:
+        """The next message (its bytes if *raw*), or ``_EMPTY``; never blocks."""
         self._check_open()
         if self._conn is None:
+            if raw:
+                raise TypeError("raw bytes travel only over a Connection (a multiprocessing Queue pickles)")
             try:
                 return self._endpoint.get_nowait()  # type: ignore[union-attr]
             except _queue.Empty:
                 return _EMPTY
             except (EOFError, OSError) as exc:
                 raise BrokenChannelError("the queue's writer is gone") from exc
-        msg = self._parse()
+        msg = self._parse(raw)
         if msg is not _EMPTY:
             return msg
         while self._fill():
-            msg = self._parse()
+            msg = self._parse(raw)
             if msg is not _EMPTY:
                 return msg
         if self._eof or self._broken is not None:
             self._raise_broken()
         return _EMPTY
 
-    def _parse(self) -> Any:
-        """Unpickle the first frame of the read buffer if it is complete, else ``_EMPTY``."""
+    def _parse(self, raw: bool = False) -> Any:
+        """Unpickle (or with *raw* copy out) the first frame of the read buffer if it is complete, else ``_EMPTY``."""
         buf = self._rbuf
         have = len(buf)
         if have < 4:
@@ -283,7 +307,7 @@ class AsyncQueue(Generic[T]):
             return _EMPTY
         view = memoryview(buf)[start:end]
         try:
-            return ForkingPickler.loads(view)
+            return bytes(view) if raw else ForkingPickler.loads(view)
         finally:  # the frame is consumed even if it does not unpickle, as with Connection.recv
             view.release()
             del buf[:end]
@@ -454,13 +478,32 @@ class AsyncQueue(Generic[T]):
             except ValueError as exc:  # multiprocessing raises ValueError on a closed queue
                 raise ClosedError(str(exc)) from exc
             return
+        self._check_writable()
+        self._append_frame(ForkingPickler.dumps(item))
+
+    def put_bytes_nowait(self, data: bytes | bytearray | memoryview) -> None:
+        """Send *data* as one frame, as it is (no pickling); :meth:`get_bytes` returns it.
+
+        Same framing, buffering, ``max_buffer`` and :class:`WouldBlock` rules as
+        :meth:`put_nowait`; the bytes are copied when they are accepted. ``Connection``
+        endpoints only.
+        """
+        self._check_open()
+        if self._conn is None:
+            raise TypeError("raw bytes travel only over a Connection (a multiprocessing Queue pickles)")
+        self._check_writable()
+        self._append_frame(data if type(data) is bytes else bytes(data))
+
+    def _check_writable(self) -> None:
+        """Raise unless a frame can be buffered now (broken, read-only, above the mark)."""
         if self._broken is not None:
             self._raise_broken()
-        if not self._conn.writable:
+        if not self._conn.writable:  # type: ignore[union-attr]
             raise OSError("connection is read-only")
         if self._wbytes > self._max_buffer:
             raise WouldBlock
-        payload = ForkingPickler.dumps(item)
+
+    def _append_frame(self, payload: bytes | memoryview) -> None:
         size = len(payload)
         if size <= _SMALL_FRAME:
             self._wq.append(_HEADER.pack(size) + payload)

@@ -25,10 +25,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._errors import BrokenChannelError, ClosedError, SenderDiedError, SyncTimeoutError, WouldBlock
+from ._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from ._layout import Layout
 from ._ownership import BufferRoles, Weights, debug_enabled
-from ._protocol import Ack, Bye, Hello, MapSlots, Receive, Setup, Staged, Stop
+from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
 from ._shm import Segment
 from ._signal import Signal
@@ -127,7 +127,7 @@ class Receiver:
         if self._state != "new":
             raise RuntimeError("connect() was already called") if self._state != "closed" else ClosedError("the receiver is closed")
         self._state = "running"
-        self._queue.put_nowait(Hello(self.worker_idx, os.getpid()))
+        self._queue.put_bytes_nowait(encode(Hello(self.worker_idx, os.getpid())))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
         limit = self.timeout if timeout is ... else timeout
         # Done once the first instruction is answered: applied, staged (manual mode), or
@@ -231,17 +231,21 @@ class Receiver:
         reason = "the worker closed its receiver"
         try:
             while True:
-                batch = [await self._queue.get()]
+                batch = [decode(await self._queue.get_bytes())]
                 # Drain what is already waiting, but stop at MapSlots: its descriptors
                 # follow on the socket and must be read before any message.
                 while not isinstance(batch[-1], (MapSlots, Stop)):
                     try:
-                        batch.append(self._queue.get_nowait())
+                        batch.append(decode(self._queue.get_bytes_nowait()))
                     except WouldBlock:
                         break
                 if await self._handle(batch):
                     self._stopped_by_sender = True
                     return
+        except ProtocolError as exc:  # the sender is out of step: end here, and say why in the Bye
+            reason = f"its receiver got a malformed message from the sender ({exc})"
+            self._error = ProtocolError(f"worker {self.worker_idx}: the sender sent a malformed message ({exc}); keeping version {self._version}")
+            self._error.__cause__ = exc
         except BrokenChannelError as exc:
             self._error = SenderDiedError(f"worker {self.worker_idx}: the sender is gone ({exc}); keeping version {self._version}")
             self._stopped_by_sender = True
@@ -255,7 +259,7 @@ class Receiver:
             self._release(reason)
             self._changed.notify()
 
-    async def _handle(self, batch: list[Any]) -> bool:
+    async def _handle(self, batch: list[Message]) -> bool:
         """Process messages in order; of several Receives only the newest is applied."""
         newest = max((i for i, m in enumerate(batch) if isinstance(m, Receive)), default=-1)
         skipped = sum(isinstance(m, Receive) for m in batch) - (newest >= 0)
@@ -264,6 +268,7 @@ class Receiver:
                 self._on_setup(msg)
             elif isinstance(msg, MapSlots):
                 fds = await self._queue.receive_fds(len(msg.slot_ids))
+                _check_segments(msg, fds)
                 for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
                     # Mapping pre-faults every page: off the loop for large slots.
                     self._segments[sid] = await self._get_stager().run(nbytes, Segment.attach, fd, nbytes)
@@ -273,6 +278,8 @@ class Receiver:
                 await self._on_receive(msg, skipped)
             elif isinstance(msg, Stop):
                 return True
+            elif not isinstance(msg, Receive):
+                raise ProtocolError(f"{type(msg).__name__}: a sender never sends this message")
         return False
 
     def _on_setup(self, msg: Setup) -> None:
@@ -323,6 +330,10 @@ class Receiver:
         if seg is None:
             self._rejected += 1
             self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} was never mapped", live_slot))
+            return
+        if seg.nbytes < self._layout.nbytes:
+            self._rejected += 1
+            self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}", live_slot))
             return
         views = self._slot_views.get(msg.slot)
         if views is None:
@@ -445,7 +456,7 @@ class Receiver:
 
     def _send(self, msg: Ack | Staged | Bye) -> None:
         try:
-            self._queue.put_nowait(msg)
+            self._queue.put_bytes_nowait(encode(msg))
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the read side notices the sender's death
 
@@ -470,3 +481,16 @@ class Receiver:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _check_segments(msg: MapSlots, fds: list[int]) -> None:
+    """Raise :class:`ProtocolError` (closing *fds*) unless each segment holds the bytes announced.
+
+    Mapping more than a memfd holds would kill the worker with SIGBUS at the first touch.
+    """
+    for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            for d in fds:
+                os.close(d)
+            raise ProtocolError(f"MapSlots: field 'nbytes': slot {sid} announces {nbytes} bytes, its segment holds {size}")

@@ -27,6 +27,7 @@ from ._errors import (
     BrokenChannelError,
     CapacityError,
     ClosedError,
+    ProtocolError,
     SyncTimeoutError,
     WeightsError,
     WorkerDiedError,
@@ -36,7 +37,7 @@ from ._errors import (
 )
 from ._layout import Layout
 from ._ownership import Ref, SlotLedger
-from ._protocol import Ack, Bye, Hello, MapSlots, Receive, Setup, Staged, Stop
+from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
 from ._signal import Signal
 from ._slots import Slot, SlotPool
@@ -131,6 +132,9 @@ class Sender:
         self.check_finite = check_finite
         self._ctx = ctx
         self._pid = os.getpid()
+        # Encoded once (a layout that cannot travel fails here, at init): one frame per device.
+        by_device = {dev: encode(Setup(wire_layout, dev, self._pid)) for dev in {devices.get(i) for i in worker_ids}}
+        self._setup_frames = {i: by_device[devices.get(i)] for i in worker_ids}
         self._workers: dict[int, _Worker] = {}
         for idx in worker_ids:
             w = _Worker(idx, devices.get(idx))
@@ -431,7 +435,7 @@ class Sender:
                     commit_ms=link.commit_s * 1e3 if link is not None else 0.0,
                     generation=w.generation,
                     in_flight_version=live.in_flight.version if live is not None and live.in_flight is not None else None,
-                    reason=w.death.reason if isinstance(w.death, WorkerLeftError) else None,
+                    reason=w.death.reason if w.death is not None else None,
                 )
             )
         return SenderStatistics(
@@ -459,7 +463,7 @@ class Sender:
                 for w in self._workers.values():
                     if w.state == "connected" and w.link is not None:
                         try:
-                            w.link.queue.put_nowait(Stop())
+                            w.link.queue.put_bytes_nowait(encode(Stop()))
                         except Exception:
                             pass
                 await self._changed.wait_until(lambda: all(w.state != "connected" for w in self._workers.values()), timeout)
@@ -652,11 +656,11 @@ class Sender:
         slot = self._pool.get(ref.slot)
         try:
             if slot.transient or slot.id not in link.mapped:
-                link.queue.put_nowait(MapSlots((slot.id,), (slot.nbytes,), slot.transient))
+                link.queue.put_bytes_nowait(encode(MapSlots((slot.id,), (slot.nbytes,), slot.transient)))
                 link.queue.send_fds([slot.fd])
                 if not slot.transient:
                     link.mapped.add(slot.id)
-            link.queue.put_nowait(Receive(ref.version, slot.id, skipped))
+            link.queue.put_bytes_nowait(encode(Receive(ref.version, slot.id, skipped)))
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the reader task notices the death and reports it
 
@@ -668,16 +672,18 @@ class Sender:
     async def _read_loop(self, w: _Worker, link: _Link) -> None:
         try:
             while True:
-                msg = await link.queue.get()
+                data = await link.queue.get_bytes()
                 if link is not w.link:
                     return
-                self._dispatch(w, link, msg)
+                self._dispatch(w, link, decode(data))
+        except ProtocolError as exc:
+            await self._on_lost(w, link, broken=exc)
         except BrokenChannelError:
             await self._on_lost(w, link)
         except ClosedError:
             pass
 
-    def _dispatch(self, w: _Worker, link: _Link, msg: Any) -> None:
+    def _dispatch(self, w: _Worker, link: _Link, msg: Message) -> None:
         if isinstance(msg, Ack):
             self._on_ack(w, link, msg)
         elif isinstance(msg, Staged):
@@ -687,14 +693,16 @@ class Sender:
             self._on_hello(w, link, msg)
         elif isinstance(msg, Bye):
             link.bye = msg
+        else:
+            raise ProtocolError(f"{type(msg).__name__}: a worker never sends this message")
 
     def _drain(self, w: _Worker, link: _Link) -> None:
         """Read what the worker said before it went (its last acks, its ``Bye``)."""
         try:
             while True:
-                self._dispatch(w, link, link.queue.get_nowait())
+                self._dispatch(w, link, decode(link.queue.get_bytes_nowait()))
         except (WouldBlock, BrokenChannelError, ClosedError):
-            pass
+            pass  # a malformed last word (ProtocolError) is ignored: the worker is gone anyway
 
     async def _watch_sentinel(self, w: _Worker, link: _Link) -> None:
         sentinel = w.sentinel
@@ -715,7 +723,7 @@ class Sender:
             link.child_conn.close()  # the worker holds its own copy now: EOF will mean it is gone
             link.child_conn = None
         try:
-            link.queue.put_nowait(Setup(self._layout, w.device, os.getpid()))
+            link.queue.put_bytes_nowait(self._setup_frames[w.idx])
         except (BrokenChannelError, ClosedError):
             return
         self._pump(w)
@@ -738,13 +746,23 @@ class Sender:
         self._release_unused()
         self._changed.notify()
 
-    async def _on_lost(self, w: _Worker, link: _Link) -> None:
+    async def _on_lost(self, w: _Worker, link: _Link, broken: ProtocolError | None = None) -> None:
+        """The channel ended: the worker died or left, or (*broken*) sent a malformed message."""
         if link is not w.link or link.lost:
             return  # an older channel, or already handled
         link.lost = True
-        self._drain(w, link)
+        if broken is None:
+            self._drain(w, link)
         if self._state in ("closing", "closed") and w.state == "connected":
             w.state = "stopped"
+        elif broken is not None:
+            w.state = "dead"
+            w.death = WorkerDiedError(
+                w.idx, None, link.pid, reason=f"it sent a malformed message ({type(broken).__name__}: {broken}); its channel was closed"
+            )
+            w.death.__cause__ = broken
+            w.process = None  # its process may run on: it is no longer this worker
+            self._drop_sentinel(w)
         elif link.bye is not None:
             w.state = "left"
             w.death = WorkerLeftError(w.idx, link.bye.reason, link.bye.version, link.pid)
@@ -764,8 +782,12 @@ class Sender:
             w.death = WorkerDiedError(w.idx, w.exitcode, link.pid)
             w.process = None
             self._drop_sentinel(w)
-        # The worker holds no slot any more: it died, or detached its weights before leaving.
-        self._ledger.disconnect(w.idx)
+        if broken is not None:
+            # Its process may still view the slots it held: they are never written again.
+            self._ledger.retire(w.idx)
+        else:
+            # The worker holds no slot any more: it died, or detached its weights before leaving.
+            self._ledger.disconnect(w.idx)
         current = asyncio.current_task()
         for t in link.tasks:
             if t is not current:

@@ -14,7 +14,7 @@ class WorkerStatistics:
     Attributes:
         worker_idx: the worker's id.
         state: ``"waiting"`` (not connected yet), ``"connected"``, ``"dead"`` (its process
-            died), ``"left"`` (its receiver ended; ``reason`` says why) or ``"stopped"``
+            died, or the sender cut its channel for a malformed message), ``"left"`` (its receiver ended; ``reason`` says why) or ``"stopped"``
             (after the sender's ``aclose()``).
         pid: the worker's process id once it said hello.
         exitcode: exit status of a dead worker, when known.
@@ -26,7 +26,8 @@ class WorkerStatistics:
         generation: its connection number (1 for the first process, +1 per replacement);
             ``applied_version``, ``last_error`` and timings belong to this connection.
         in_flight_version: the version sent and not answered yet (at most one), or None.
-        reason: why a worker in state ``"left"`` left, else None.
+        reason: why a worker in state ``"left"`` left, or why the sender cut a ``"dead"``
+            worker's channel (a malformed message); else None.
     """
 
     worker_idx: int

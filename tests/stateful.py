@@ -280,13 +280,13 @@ class SyncMachine(RuleBasedStateMachine):
             return
         gate = w.busy = asyncio.Event()
         queue = w.scheme.receiver._queue
-        real_get = type(queue).get
+        real_get = type(queue).get_bytes  # what the receiver task awaits
 
         async def gated_get(*args: Any, **kwargs: Any) -> Any:
             await gate.wait()
             return await real_get(queue, *args, **kwargs)
 
-        queue.get = gated_get  # type: ignore[method-assign]
+        queue.get_bytes = gated_get  # type: ignore[method-assign]
 
     @rule(idx=st.integers(0, 2))
     def make_idle(self, idx: int) -> None:

@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import pickle
 
 import pytest
 
 from asyncsync import AsyncQueue, BrokenChannelError, ClosedError, WouldBlock
 
 CTX = mp.get_context("spawn")
+
+
+class Exploding:
+    """Raises when unpickled."""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_explode, ())
+
+
+def _explode() -> None:
+    raise AssertionError("unpickled")
 
 
 def pair(kind: str) -> tuple[AsyncQueue[object], AsyncQueue[object]]:
@@ -108,3 +120,73 @@ async def test_cancelled_put_sends_nothing() -> None:
 def test_rejects_other_objects() -> None:
     with pytest.raises(TypeError, match="Connection or Queue"):
         AsyncQueue(object())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ raw bytes (no pickle)
+
+
+async def test_bytes_round_trip_in_order_with_pickled_messages() -> None:
+    w, r = pair("pipe")
+    w.put_bytes_nowait(b"\x00raw")
+    w.put_bytes_nowait(bytearray(b""))
+    w.put_bytes_nowait(memoryview(b"view"))
+    await w.put("pickled")
+    assert await r.get_bytes(timeout=5) == b"\x00raw"
+    assert r.get_bytes_nowait() == b""
+    assert await r.get_bytes() == b"view"
+    assert await r.get(timeout=5) == "pickled"
+    with pytest.raises(WouldBlock):
+        r.get_bytes_nowait()
+    w.close()
+    r.close()
+
+
+async def test_bytes_are_never_unpickled_and_interoperate_with_a_plain_connection() -> None:
+    a, b = CTX.Pipe()
+    q: AsyncQueue[object] = AsyncQueue(a)
+    evil = pickle.dumps(Exploding())  # unpickling it would raise
+    b.send_bytes(evil)
+    assert await q.get_bytes(timeout=5) == evil
+    q.put_bytes_nowait(b"back")
+    await q.flush()
+    assert b.recv_bytes() == b"back"
+    q.close()
+    b.close()
+
+
+async def test_cancelled_or_timed_out_get_bytes_loses_nothing() -> None:
+    w, r = pair("pipe")
+    with pytest.raises(TimeoutError):
+        await r.get_bytes(timeout=0.05)
+    task = asyncio.ensure_future(r.get_bytes())
+    await asyncio.sleep(0)  # parked on the descriptor
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    w.put_bytes_nowait(b"kept")
+    assert await r.get_bytes(timeout=5) == b"kept"
+    w.close()
+    with pytest.raises(BrokenChannelError):
+        await r.get_bytes(timeout=5)
+    r.close()
+
+
+async def test_put_bytes_nowait_refuses_above_the_mark() -> None:
+    a, b = CTX.Pipe()
+    w: AsyncQueue[object] = AsyncQueue(a, max_buffer=0)
+    w.put_bytes_nowait(bytes(8 << 20))  # the kernel takes far less: the rest stays buffered
+    assert w.write_buffer_size > 0
+    with pytest.raises(WouldBlock):
+        w.put_bytes_nowait(b"refused")
+    w.close()
+    b.close()
+
+
+async def test_raw_bytes_need_a_connection() -> None:
+    w, r = pair("queue")
+    with pytest.raises(TypeError, match="only over a Connection"):
+        w.put_bytes_nowait(b"x")
+    with pytest.raises(TypeError, match="only over a Connection"):
+        r.get_bytes_nowait()
+    w.close()
+    r.close()
