@@ -40,6 +40,7 @@ def run_benchmark(
     *,
     loop_lag: bool = False,
     memory: bool | None = None,
+    echo: bool = True,
     progress: bool | Callable[[str], None] = False,
 ) -> list[dict[str, Any]]:
     """Run the benchmark and return its rows.
@@ -54,6 +55,9 @@ def run_benchmark(
             commit ``swap`` = "staged" vs ``copy`` = "inline").
         memory: add ``memory`` rows (20 back-to-back sends of the largest model); None:
             only when the largest model has at least 25M params.
+        echo: before each latency row, time a bare round trip of one small message to
+            the row's workers (fresh processes, same channel): ``echo_ms``,
+            ``echo_ratio``. False: both None.
         progress: True prints one line per row to stderr; or a callable taking the line.
     """
     from asyncsync.bench._run import _print, run_rows
@@ -74,4 +78,4 @@ def run_benchmark(
     if not chosen:
         raise ValueError("no transport to measure")
     say: Callable[[str], None] | None = _print if progress is True else (progress or None)
-    return run_rows(chosen, list(params), list(workers), repeats, loop_lag=loop_lag, memory=memory, progress=say)
+    return run_rows(chosen, list(params), list(workers), repeats, loop_lag=loop_lag, memory=memory, echo=echo, progress=say)

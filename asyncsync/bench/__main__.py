@@ -82,6 +82,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="RSS, /dev/shm and memfd over 20 sends of the largest model (default: on when it has >= 25M params)",
     )
+    p.add_argument(
+        "--echo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before each row, time a bare round trip of a small message to its workers, for the 'x echo' column "
+        "(default: on; --no-echo skips it)",
+    )
     return p
 
 
@@ -118,7 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     rows = run_benchmark(
-        transports, args.params, args.workers, args.repeats, loop_lag=args.loop_lag, memory=args.memory, progress=True
+        transports,
+        args.params,
+        args.workers,
+        args.repeats,
+        loop_lag=args.loop_lag,
+        memory=args.memory,
+        echo=args.echo,
+        progress=True,
     )
     sys.stdout.write(markdown(rows))
     sys.stdout.flush()

@@ -117,6 +117,13 @@ def _ratio(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}x" if value < 10 else f"{value:.0f}x"
 
 
+def _cpu(total: Any, trainer: Any) -> str:
+    """``total (trainer's part)`` in ms, e.g. ``0.581 (0.236)``."""
+    if total is None:
+        return "-" if trainer is None else f"- ({_f(trainer, 3)})"
+    return f"{_f(total, 3)} ({_f(trainer, 3)})"
+
+
 def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i < 3 else "---:" for i in range(len(header))) + "|"]
     out += ["| " + " | ".join(cells) + " |" for cells in lines]
@@ -139,6 +146,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
                     "GB/s",
                     "floor ms",
                     "x floor",
+                    "x echo",
+                    "CPU ms/send",
                     "vs torchrl-mp",
                     "vs torchrl-shared",
                     "peak RSS sender MiB",
@@ -155,6 +164,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
                         _f(r["gbps"]),
                         _f(r["floor_ms"], 3),
                         _ratio(r["floor_ratio"]),
+                        _ratio(r.get("echo_ratio")),
+                        _cpu(r.get("cpu_ms_per_send"), r.get("trainer_cpu_ms_per_send")),
                         _ratio(r.get("vs_torchrl_mp")),
                         _ratio(r.get("vs_torchrl_shared")),
                         _f(r.get("peak_rss_sender_mb")),

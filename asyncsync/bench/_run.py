@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncsync.bench import _cpu
+from asyncsync.bench._echo import measure_echo
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = [
@@ -255,7 +257,10 @@ async def run_asyncsync(
     """Time *repeats* synchronous sends of fresh weights to *workers* fresh processes.
 
     Returns ``latencies_ms``, per-send ``t0``/``t1`` (perf_counter seconds) and
-    ``versions``, the sender's peak RSS and memory before/after the timed sends, and
+    ``versions``, the sender's peak RSS and memory before/after the timed sends,
+    ``trainer_cpu_s`` (``time.process_time()`` summed over the timed sends),
+    ``workers_cpu_s`` (all workers' CPU from the end of the warm-up to the end of the
+    timed sends, see :mod:`asyncsync.bench._cpu`; None where it cannot be read), and
     ``workers``: each worker's report (see :func:`bench_worker`). The workers' final
     weights are checked against the trainer's.
     """
@@ -274,6 +279,7 @@ async def run_asyncsync(
     scheme.init_on_sender(model=model, num_workers=workers)
     _reset_peak_rss()
     out: dict[str, Any] = {"latencies_ms": [], "t0": [], "t1": [], "versions": []}
+    trainer_cpu_s = 0.0
     async with spawn_workers(
         bench_worker,
         workers,
@@ -283,6 +289,8 @@ async def run_asyncsync(
     ) as group:
         try:
             await scheme.connect()
+            pids = [p.pid for p in group.processes.values()]
+            cpu_before: list[_cpu.Sample | None] = []
             for step in range(warmup + repeats):
                 if step == warmup and tick:  # steady state: every slot mapped by now
                     out["baseline"] = await _lag_baselines(model, repeats, 1000)
@@ -292,14 +300,22 @@ async def run_asyncsync(
                     out["dev_shm_before_mb"] = _dev_shm_mb()
                     out["memfd_before_mb"] = _memfd_mb()
                     _reset_peak_rss()
+                    # The workers wait between sends: their CPU from here to the end
+                    # of the timed sends is theirs for the timed sends.
+                    cpu_before = _cpu.sample(pids)
+                c0 = time.process_time()
                 t0 = time.perf_counter_ns()
                 version = await scheme.send()
                 t1 = time.perf_counter_ns()
+                c1 = time.process_time()
                 if step >= warmup:
+                    trainer_cpu_s += c1 - c0
                     out["latencies_ms"].append((t1 - t0) / 1e6)
                     out["t0"].append(t0 / 1e9)
                     out["t1"].append(t1 / 1e9)
                     out["versions"].append(version)
+            out["workers_cpu_s"] = _cpu.elapsed_s(cpu_before, _cpu.sample(pids))
+            out["trainer_cpu_s"] = trainer_cpu_s
             out["rss_after_mb"] = _rss_mb()
             out["dev_shm_after_mb"] = _dev_shm_mb()
             out["memfd_after_mb"] = _memfd_mb()
@@ -405,9 +421,14 @@ def run_rows(
     *,
     loop_lag: bool = False,
     memory: bool | None = None,
+    echo: bool = True,
     progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every (params x workers x transport) row, then the memory and loop-lag rows."""
+    """Run every (params x workers x transport) row, then the memory and loop-lag rows.
+
+    *echo*: measure the echo floor (:func:`asyncsync.bench._echo.measure_echo`) with the
+    row's worker count right before each latency row, after its one-copy floor.
+    """
     say = progress or (lambda _line: None)
     for t in transports:
         if t not in (*ASYNCSYNC_TRANSPORTS, *TORCHRL_TRANSPORTS):
@@ -434,14 +455,19 @@ def run_rows(
                     # The floor right before each row: the same conditions (a busy
                     # neighbour, memory bandwidth) as the row it is compared with.
                     floor = measure_floor(n_params, n_tensors, repeats)
+                    # The echo floor too: fresh processes, the row's worker count.
+                    echo_ms = measure_echo(nw, repeats)["echo_ms"] if echo else None
                     row = _latency_row(transport, spec, n_params, n_tensors, nw, repeats)
                     row["floor_ms"] = floor["floor_ms"]
                     row["floor_ratio"] = row["median_ms"] / floor["floor_ms"]
+                    row["echo_ms"] = echo_ms
+                    row["echo_ratio"] = row["median_ms"] / echo_ms if echo_ms else None
                     row["gbps"] = nbytes / (row["median_ms"] / 1e3) / 1e9
                     rows.append(neighbours.stamp(row))
                     say(
                         f"{transport:>14} {spec:>8} x{nw}: median {row['median_ms']:9.3f} ms  p90 {row['p90_ms']:9.3f} ms  "
-                        f"{row['floor_ratio']:7.2f}x floor {row['floor_ms']:.4f} ms  ({time.perf_counter() - t_start:.1f}s, "
+                        f"{row['floor_ratio']:7.2f}x floor {row['floor_ms']:.4f} ms  {_x(row['echo_ratio'])} echo {_ms(echo_ms)}  "
+                        f"CPU/send {_ms(row['cpu_ms_per_send'])}  ({time.perf_counter() - t_start:.1f}s, "
                         f"others {row.get('other_cpu_pct', '?')}% CPU)"
                     )
         _add_torchrl_ratios(rows)
@@ -536,7 +562,13 @@ def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, worke
         row["worker_commit_ms"] = max(res["worker_commit_ms"])
     row.update(summarize(res["latencies_ms"]))
     row["min_ms"] = min(res["latencies_ms"])
-    row["repeats"] = len(res["latencies_ms"])
+    row["repeats"] = n = len(res["latencies_ms"])
+    trainer_cpu: float | None = res.get("trainer_cpu_s")
+    workers_cpu: float | None = res.get("workers_cpu_s")
+    row["trainer_cpu_ms_per_send"] = trainer_cpu / n * 1e3 if trainer_cpu is not None else None
+    row["cpu_ms_per_send"] = (
+        (trainer_cpu + workers_cpu) / n * 1e3 if trainer_cpu is not None and workers_cpu is not None else None
+    )
     row["peak_rss_sender_mb"] = res["peak_rss_sender_mb"]
     row["peak_rss_worker_mb"] = res["peak_rss_worker_mb"]
     row["vs_torchrl_mp"] = None
@@ -606,6 +638,14 @@ def _loop_lag_row(mode: str, commit: str, spec: str, n_params: int, n_tensors: i
         "peak_rss_worker_mb": res["peak_rss_worker_mb"],
     }
     return row
+
+
+def _x(ratio: float | None) -> str:
+    return f"{ratio:7.2f}x" if ratio is not None else "      -x"
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.4f} ms" if value is not None else "- ms"
 
 
 def _print(line: str) -> None:

@@ -27,7 +27,8 @@ with one ack per worker; nothing had to be measured differently):
   parameters are that buffer) and acks.
 
 Run ``python -m asyncsync.bench._torchrl`` for a smoke test. This module imports
-nothing from ``asyncsync`` except ``asyncsync.bench._workload``.
+nothing from ``asyncsync`` except ``asyncsync.bench._workload`` and
+``asyncsync.bench._cpu`` (stdlib only).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from asyncsync.bench import _cpu
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 if TYPE_CHECKING:
@@ -325,7 +327,10 @@ def run_torchrl(
     workers' weights are checked against the trainer's. Returns
     ``{"latencies_ms": [...], "peak_rss_sender_mb": float,
     "peak_rss_worker_mb": float}`` (peak RSS = Linux VmHWM, psutil RSS elsewhere;
-    the worker figure is the largest over workers). Worker processes are always
+    the worker figure is the largest over workers), ``trainer_cpu_s``
+    (``time.process_time()`` summed over the timed sends: all the trainer's threads,
+    torchrl's queue feeder threads included) and ``workers_cpu_s`` (all workers' CPU
+    over the timed sends, None where it cannot be read). Worker processes are always
     stopped, including on errors and ctrl-C.
     """
     if kind not in KINDS:
@@ -390,16 +395,27 @@ def run_torchrl(
         guard.start()
 
         latencies_ms: list[float] = []
+        pids = [p.pid for p in procs]
+        cpu_before: list[_cpu.Sample | None] = []
+        trainer_cpu_s = 0.0
         for step in range(WARMUP_SENDS + repeats):
             perturb_(model, step)
+            if step == WARMUP_SENDS:
+                # Workers' CPU from here to the end of the timed sends (between sends
+                # their receiver thread waits; their main thread polls cmd_q every 0.25 s).
+                cpu_before = _cpu.sample(pids)
             guard.arm()
+            c0 = time.process_time()
             t0 = time.perf_counter_ns()
             scheme.send(weights=model)
             t1 = time.perf_counter_ns()
+            c1 = time.process_time()
             guard.disarm()
             guard.check()
             if step >= WARMUP_SENDS:
+                trainer_cpu_s += c1 - c0
                 latencies_ms.append((t1 - t0) / 1e6)
+        workers_cpu_s = _cpu.elapsed_s(cpu_before, _cpu.sample(pids))
 
         for q in cmd_queues:
             q.put("sums")
@@ -413,6 +429,8 @@ def run_torchrl(
 
         return {
             "latencies_ms": latencies_ms,
+            "trainer_cpu_s": trainer_cpu_s,
+            "workers_cpu_s": workers_cpu_s,
             "peak_rss_sender_mb": _peak_rss_mb(os.getpid()),
             "peak_rss_worker_mb": max(
                 _peak_rss_mb(p.pid) for p in procs if p.pid is not None

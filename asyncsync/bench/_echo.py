@@ -1,0 +1,121 @@
+"""The echo floor: a bare round trip of one small message to N workers.
+
+Same channel and same kind of processes as the scheme's: N workers started with
+:func:`asyncsync.spawn_workers` (spawn), one ``multiprocessing`` spawn-context
+``Pipe(duplex=True)`` (a socketpair) per worker, :class:`asyncsync.AsyncQueue` on both
+ends, every end passed to every worker which keeps its own and closes the others (as the
+scheme's pickled endpoints are), ``torch.set_num_threads(1)`` in the workers. One echo:
+the trainer ``put_nowait``\\ s one small message (``(step, 32 bytes)``, ~50 bytes pickled,
+about the size of the scheme's ``Receive``) to every worker, then ``await get()``\\ s every
+reply; each worker ``await get()``\\ s and ``put_nowait``\\ s the message back (the calls the
+scheme's sender and receivers use). ``ECHO_WARMUP`` echoes, then ``repeats`` timed ones.
+
+A send of weights cannot take less than this unless it sends no message: it is the
+message and wake-up cost that dominates small models, as the one-copy floor is the data
+cost that dominates large ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing as mp
+import signal
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import anyio
+import torch
+
+__all__ = ["ECHO_PAYLOAD", "ECHO_WARMUP", "echo_worker", "measure_echo", "measure_echo_async"]
+
+ECHO_WARMUP = 5
+ECHO_PAYLOAD = bytes(32)
+#: Limit of the whole measurement (spawn excluded), and of joining the workers.
+ECHO_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_S = 60.0
+
+
+async def echo_worker(worker_idx: int, ends: list[Connection]) -> int:
+    """Send back every message until ``None`` (or the trainer's end closes); return how many."""
+    from asyncsync import AsyncQueue
+    from asyncsync._errors import BrokenChannelError
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
+    torch.set_num_threads(1)
+    for i, other in enumerate(ends):
+        if i != worker_idx:
+            other.close()  # the other workers' ends (as the scheme's receiver does)
+    q: AsyncQueue[Any] = AsyncQueue(ends[worker_idx])
+    echoed = 0
+    try:
+        while True:
+            try:
+                msg = await q.get()
+            except BrokenChannelError:
+                break
+            if msg is None:
+                break
+            q.put_nowait(msg)
+            echoed += 1
+    finally:
+        await q.aclose()
+    return echoed
+
+
+async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_WARMUP) -> dict[str, float]:
+    """Spawn *workers* echo workers, time *repeats* echoes to all of them, stop them.
+
+    Returns ``echo_ms`` (median), ``echo_p90_ms`` and ``echo_min_ms``.
+    No process is left behind, also on errors and cancellation.
+    """
+    from asyncsync import AsyncQueue, spawn_workers
+
+    if workers < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need workers >= 1, repeats >= 1, warmup >= 0; got {workers}, {repeats}, {warmup}")
+    ctx = mp.get_context("spawn")
+    pairs = [ctx.Pipe(duplex=True) for _ in range(workers)]
+    theirs = [b for _, b in pairs]
+    queues: list[AsyncQueue[Any]] = [AsyncQueue(a) for a, _ in pairs]
+    times: list[float] = []
+    try:
+        async with spawn_workers(echo_worker, workers, args=(theirs,), join_timeout=JOIN_TIMEOUT_S) as group:
+            for b in theirs:
+                b.close()  # each worker holds its own copy now: EOF will mean it is gone
+            with anyio.fail_after(ECHO_TIMEOUT_S):
+                for step in range(warmup + repeats):
+                    msg = (step, ECHO_PAYLOAD)
+                    t0 = time.perf_counter_ns()
+                    for q in queues:
+                        q.put_nowait(msg)
+                    replies = [await q.get() for q in queues]
+                    t1 = time.perf_counter_ns()
+                    if any(r != msg for r in replies):
+                        raise RuntimeError(f"echo {step}: expected {msg!r} back, got {replies!r}")
+                    if step >= warmup:
+                        times.append((t1 - t0) / 1e6)
+                for q in queues:
+                    q.put_nowait(None)
+                for q in queues:
+                    await q.flush()
+            echoed = await group.join(timeout=JOIN_TIMEOUT_S)
+        if any(n != warmup + repeats for n in echoed.values()):
+            raise RuntimeError(f"echo workers echoed {echoed}, expected {warmup + repeats} each")
+    finally:
+        for b in theirs:
+            b.close()
+        for q in queues:
+            q.close()
+    ordered = sorted(times)
+    return {
+        "echo_ms": statistics.median(times),
+        "echo_p90_ms": ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)],  # nearest rank
+        "echo_min_ms": ordered[0],
+    }
+
+
+def measure_echo(workers: int, repeats: int, *, warmup: int = ECHO_WARMUP) -> dict[str, float]:
+    """:func:`measure_echo_async` in its own event loop (call from synchronous code)."""
+    return asyncio.run(measure_echo_async(workers, repeats, warmup=warmup))

@@ -1,0 +1,110 @@
+"""The benchmark's echo floor and CPU-per-send accounting (asyncsync.bench)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncsync.bench import _cpu, run_benchmark
+from asyncsync.bench._echo import measure_echo
+from asyncsync.bench._report import markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_echo_round_trip(workers: int) -> None:
+    # The autouse fixture in conftest.py fails the test if a worker is left behind.
+    got = measure_echo(workers, 5, warmup=2)
+    assert set(got) == {"echo_ms", "echo_p90_ms", "echo_min_ms"}
+    assert all(_positive(v) for v in got.values()), got
+    assert got["echo_min_ms"] <= got["echo_ms"] <= got["echo_p90_ms"]
+
+
+def test_echo_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        measure_echo(0, 5)
+    with pytest.raises(ValueError):
+        measure_echo(1, 0)
+
+
+def test_cpu_of_another_process() -> None:
+    """A child that burns 0.2 s of CPU, then waits: the sample agrees with its own clock."""
+    code = (
+        "import sys, time\n"
+        "while time.process_time() < 0.2:\n"
+        "    pass\n"
+        "print(repr(time.process_time()), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            own = float(child.stdout.readline())
+            used = _cpu.elapsed_s([{}], _cpu.sample([child.pid]))
+        finally:
+            child.stdin.close()
+            child.wait(timeout=10)
+    assert used is not None
+    assert abs(used - own) < 0.03, (used, own)
+    assert _cpu.elapsed_s([None], [None]) is None
+    assert _cpu.sample([None]) == [None]
+
+
+def test_bench_row_has_echo_and_cpu() -> None:
+    rows = run_benchmark(["shm"], params=["10k"], workers=[1], repeats=3, memory=False)
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["kind"] == "latency"
+    for key in ("echo_ms", "echo_ratio", "cpu_ms_per_send", "trainer_cpu_ms_per_send"):
+        assert _positive(row[key]), (key, row[key])
+    assert row["echo_ratio"] == pytest.approx(row["median_ms"] / row["echo_ms"])
+    assert row["cpu_ms_per_send"] > row["trainer_cpu_ms_per_send"]
+    json.dumps(row)  # what --json writes
+    table = markdown(rows)
+    assert "| x echo | CPU ms/send |" in table
+    assert f"({row['trainer_cpu_ms_per_send']:.3f})" in table
+
+
+def test_cli_no_echo(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "asyncsync.bench", "--transports", "shm", "--params", "10k", "--workers", "1"]
+    cmd += ["--repeats", "3", "--no-memory", "--no-echo", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["echo_ms"] is None and row["echo_ratio"] is None
+    assert _positive(row["cpu_ms_per_send"]) and _positive(row["trainer_cpu_ms_per_send"])
+    assert "| x echo |" in proc.stdout
+
+
+def test_markdown_without_measurements() -> None:
+    row = {
+        "kind": "latency",
+        "transport": "torchrl-mp",
+        "params": "10k",
+        "workers": 1,
+        "median_ms": 3.0,
+        "p90_ms": 4.0,
+        "gbps": 0.01,
+        "floor_ms": 0.005,
+        "floor_ratio": 600.0,
+        "echo_ms": None,
+        "echo_ratio": None,
+        "cpu_ms_per_send": None,
+        "trainer_cpu_ms_per_send": 1.25,
+    }
+    line = markdown([row]).splitlines()[2]
+    assert "| 600x | - | - (1.250) |" in line
