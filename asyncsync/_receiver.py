@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import operator
 import os
 import time
 import warnings
@@ -39,6 +40,8 @@ from ._strategy import Strategy, as_user_weights, bind_targets
 __all__ = ["Receiver"]
 
 logger = logging.getLogger("asyncsync")
+
+_version_of = operator.attrgetter("_version")  # a tensor's in-place write counter
 
 Commit = Literal["swap", "copy"]
 CommitMode = Literal["auto", "manual"]
@@ -389,7 +392,7 @@ class Receiver:
         if holds is not None:
             # Parameters now view a shared slot: remember their version counters to notice
             # in-place writes (they would reach every worker reading that slot).
-            self._slot_versions = [t._version for t in targets.values()]
+            self._slot_versions = list(map(_version_of, targets.values()))
         self._version = staged.version
         self._commit_s = time.perf_counter() - t0
         self._stage_s = stage_s
@@ -399,6 +402,8 @@ class Receiver:
         self._run_callbacks(staged.version)
 
     def _check_untouched(self) -> None:
+        if list(map(_version_of, self._targets.values())) == self._slot_versions:
+            return  # the common case, in C
         written = [k for (k, t), v in zip(self._targets.items(), self._slot_versions) if t._version != v]
         if written:
             logger.error(

@@ -43,7 +43,7 @@ from ._signal import Signal
 from ._slots import Slot, SlotPool
 from ._staging import copy_tensors
 from ._stats import SenderStatistics, WorkerStatistics
-from ._strategy import to_flat, validate
+from ._strategy import KnownSource, to_flat, validate
 
 __all__ = ["Sender"]
 
@@ -149,6 +149,7 @@ class Sender:
         self._executor: ThreadPoolExecutor | None = None
         self._copy_future: Future[None] | None = None
         self._send_lock: asyncio.Lock | None = None
+        self._known: dict[int, KnownSource] = {}  # id(source) -> its last validated tensors
 
     # ----------------------------------------------------------------- channels
 
@@ -306,11 +307,7 @@ class Sender:
                 w = self._workers[i]
                 if w.state in ("dead", "left") and w.death is not None:
                     raise w.death
-        groups = self._group(weights, targets)
-        for flat, _ in groups:
-            if not flat:
-                raise WeightsError("the weights hold no tensors")
-            validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite, wire_layout=self._layout)
+        groups = self._group(weights, targets, partial)
         plan = self._split_partial(groups)
         deadline = _deadline(self._limit(timeout))
         assert self._send_lock is not None
@@ -527,19 +524,38 @@ class Sender:
             raise ValueError("worker_ids is empty")
         return list(dict.fromkeys(ids))
 
-    def _group(self, weights: Any, targets: list[int]) -> list[tuple[Mapping[str, torch.Tensor], list[int]]]:
-        """Which weights go to which targets: one group per distinct source."""
+    def _group(self, weights: Any, targets: list[int], partial: bool) -> list[tuple[Mapping[str, torch.Tensor], list[int]]]:
+        """Which validated weights go to which targets: one group per distinct source."""
         if weights is not None:
-            return [(to_flat(weights, self._source_layout), targets)]
+            return [(self._validated(to_flat(weights, self._source_layout), partial), targets)]
         groups: dict[int, tuple[Mapping[str, torch.Tensor], list[int]]] = {}
         for i in targets:  # workers sharing one source share one slot
             source = self._sources[i]
             if isinstance(source, ModelRef):
                 source = source.resolve()
             if id(source) not in groups:
-                groups[id(source)] = (to_flat(source, self._source_layout), [])
+                groups[id(source)] = (self._read_source(source), [])
             groups[id(source)][1].append(i)
         return list(groups.values())
+
+    def _read_source(self, source: Any) -> Mapping[str, torch.Tensor]:
+        """A configured source's weights: validated once, then only checked cheaply."""
+        known = self._known.get(id(source))
+        flat = known.current() if known is not None and known.obj is source else None
+        if flat is None:
+            flat = self._validated(to_flat(source, self._source_layout), partial=False)
+            known = KnownSource.of(source, flat)
+            if known is not None:
+                self._known[id(source)] = known
+        elif self.check_finite:
+            validate(flat, self._source_layout, check_finite=True, wire_layout=self._layout)
+        return flat
+
+    def _validated(self, flat: dict[str, torch.Tensor], partial: bool) -> dict[str, torch.Tensor]:
+        if not flat:
+            raise WeightsError("the weights hold no tensors")
+        validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite, wire_layout=self._layout)
+        return flat
 
     def _split_partial(
         self, groups: list[tuple[Mapping[str, torch.Tensor], list[int]]]

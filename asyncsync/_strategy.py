@@ -7,6 +7,7 @@ flat mapping ``"layer.0.weight" -> tensor`` (parameters and buffers of the modul
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from torch import nn
 from ._errors import WeightsError
 from ._layout import Layout, TensorSpec, _storage_key
 
-__all__ = ["Strategy", "named_tensors", "to_flat", "validate", "bind_targets", "as_user_weights", "resolve_model"]
+__all__ = ["KnownSource", "Strategy", "named_tensors", "to_flat", "validate", "bind_targets", "as_user_weights", "resolve_model"]
 
 Strategy = Literal["tensordict", "state_dict"]
 STRATEGIES = ("tensordict", "state_dict")
@@ -387,3 +388,73 @@ def resolve_model(context: Any, model_id: str | None) -> nn.Module | None:
         if obj is None:
             return None
     return obj if isinstance(obj, nn.Module) else None
+
+
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+
+
+class KnownSource:
+    """A weights source validated once, and a cheap check that it still gives the same tensors.
+
+    The sender validates a source fully the first time (and whenever the check fails); on
+    every later send it only re-reads the tensors from the containers that held them and
+    compares identities, shapes, dtypes and devices with C-level ``map``s: no walk over
+    the modules, no per-tensor Python. For an ``nn.Module`` the check also covers its
+    structure (every submodule, and how many parameters and buffers each holds); for a
+    plain dict, its keys. Anything else (a TensorDict, a nested dict) is not cached.
+    """
+
+    def __init__(self, obj: Any, flat: dict[str, torch.Tensor]) -> None:
+        self.obj = obj
+        self.keys = list(flat)
+        self.tensors = list(flat.values())
+        self.shapes = list(map(_shape, self.tensors))
+        self.dtypes = list(map(_dtype, self.tensors))
+        self.devices = list(map(_device, self.tensors))
+        self.modules: list[nn.Module] = []
+        if isinstance(obj, nn.Module):
+            self.modules = list(obj.modules())
+            self.children = [c for m in self.modules for c in m._modules.values()]
+            self.sizes = [len(m._parameters) + len(m._buffers) for m in self.modules]
+            where: dict[int, tuple[dict[str, Any], str]] = {}
+            for m in self.modules:
+                for d in (m._parameters, m._buffers):
+                    for name, t in d.items():
+                        if t is not None and id(t) not in where:
+                            where[id(t)] = (d, name)
+            self.containers = [where[id(t)][0] for t in self.tensors]
+            self.names = [where[id(t)][1] for t in self.tensors]
+
+    @classmethod
+    def of(cls, obj: Any, flat: dict[str, torch.Tensor]) -> KnownSource | None:
+        if isinstance(obj, nn.Module):
+            return cls(obj, flat)
+        if type(obj) is dict and all(type(k) is str and isinstance(v, torch.Tensor) for k, v in obj.items()) and list(obj) == list(flat):
+            return cls(obj, flat)
+        return None
+
+    def current(self) -> dict[str, torch.Tensor] | None:
+        """The source's tensors now, if nothing but their values changed; else None."""
+        obj = self.obj
+        if self.modules:
+            if [c for m in self.modules for c in m._modules.values()] != self.children:
+                return None  # a submodule was added, removed or replaced
+            if [len(m._parameters) + len(m._buffers) for m in self.modules] != self.sizes:
+                return None
+            try:
+                tensors = list(map(operator.getitem, self.containers, self.names))
+            except KeyError:
+                return None
+        else:
+            if list(obj) != self.keys:
+                return None
+            tensors = list(obj.values())
+        if not all(map(operator.is_, tensors, self.tensors)):
+            return None  # a tensor object was replaced: validate again
+        if list(map(_shape, tensors)) != self.shapes or list(map(_dtype, tensors)) != self.dtypes:
+            return None  # `p.data = ...` with another shape or dtype
+        if list(map(_device, tensors)) != self.devices:
+            return None
+        return dict(zip(self.keys, tensors))
