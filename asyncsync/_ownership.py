@@ -306,8 +306,9 @@ class BufferRoles:
     slot views are never recycled here (the sender owns the slot).
     """
 
-    def __init__(self, live: Weights, allocate: Callable[[], dict[str, torch.Tensor]]) -> None:
+    def __init__(self, live: Weights, allocate: Callable[[], dict[str, torch.Tensor]], *, keep_free: bool = True) -> None:
         self.live = live
+        self.keep_free = keep_free  # False: staging never needs a private set; let freed ones go
         self.pending: Weights | None = None
         self.staging: Weights | None = None
         self._free: list[dict[str, torch.Tensor]] = []
@@ -379,7 +380,7 @@ class BufferRoles:
         return {w.slot for w in (self.live, self.pending) if w is not None and w.slot is not None}
 
     def _release(self, w: Weights) -> None:
-        if w.slot is None and all(w.tensors is not other.tensors for other in self._holders()):
+        if self.keep_free and w.slot is None and all(w.tensors is not other.tensors for other in self._holders()):
             self._free.append(w.tensors)
 
     def _holders(self) -> Iterator[Weights]:

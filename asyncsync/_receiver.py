@@ -307,11 +307,14 @@ class Receiver:
             return
         self._device = device
         self._targets = targets
-        self._roles = BufferRoles(Weights(self._version, {k: t.data for k, t in targets.items()}), self._allocate_set)
         # The slot already holds the model's dtypes on the model's device (CPU): commit
         # straight from it, by pointer swap (zero copy) or by an in-place copy. Otherwise
         # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype).
         self._reads_slot = device.type == "cpu" and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
+        # Reading straight from slots, no private set is ever staged into: the model's own
+        # initial tensors are freed at the first swap instead of being kept for reuse.
+        live = Weights(self._version, {k: t.data for k, t in targets.items()})
+        self._roles = BufferRoles(live, self._allocate_set, keep_free=not self._reads_slot)
 
     def _allocate_set(self) -> dict[str, torch.Tensor]:
         """A private set of device buffers shaped like the model."""
