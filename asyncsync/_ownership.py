@@ -123,7 +123,6 @@ class SlotLedger:
     links: dict[int, Link] = field(default_factory=dict)  # worker id -> current connection
     slots: dict[int, _SlotState] = field(default_factory=dict)
     retired: list[Link] = field(default_factory=list)  # cut connections that may still view their slots
-    _applied: dict[int, int] = field(default_factory=dict)  # per link id: last live version seen
 
     # -- the slot pool's view ---------------------------------------------------------
 
@@ -297,6 +296,7 @@ class Weights:
     version: int
     tensors: dict[str, torch.Tensor]
     slot: int | None = None
+    stage_s: float = 0.0  # how long staging it took
 
 
 class BufferRoles:
@@ -313,11 +313,6 @@ class BufferRoles:
         self.staging: Weights | None = None
         self._free: list[dict[str, torch.Tensor]] = []
         self._allocate = allocate
-
-    def private_sets(self) -> int:
-        """Private sets in existence (live, pending, staging and free)."""
-        roles = [w for w in (self.live, self.pending, self.staging) if w is not None and w.slot is None]
-        return len(roles) + len(self._free)
 
     def begin_staging(self, version: int) -> Weights:
         """A free private set (allocated if none) becomes ``staging`` for *version*."""

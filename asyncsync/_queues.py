@@ -212,10 +212,7 @@ class AsyncQueue(Generic[T]):
         Raises :class:`BrokenChannelError` once the other end is gone and every complete
         message that arrived before has been returned.
         """
-        msg = self._try_get()
-        if msg is _EMPTY:
-            raise WouldBlock
-        return msg  # type: ignore[no-any-return]
+        return self._get_nowait(raw=False)  # type: ignore[no-any-return]
 
     async def get(self, timeout: float | None = None) -> T:
         """Wait for the next message; raise :class:`TimeoutError` after *timeout* seconds.
@@ -223,13 +220,7 @@ class AsyncQueue(Generic[T]):
         Cancel-safe: a cancelled or timed-out ``get`` consumes nothing (a partly
         received message stays buffered for the next call).
         """
-        msg = self._try_get()
-        if msg is not _EMPTY:
-            return msg  # type: ignore[no-any-return]
-        if timeout is None:  # the hot path of every reader: no cancel scope to set up
-            return await self._wait_and_get()  # type: ignore[no-any-return]
-        with anyio.fail_after(timeout):
-            return await self._wait_and_get()  # type: ignore[no-any-return]
+        return await self._get(False, timeout)  # type: ignore[no-any-return]
 
     def get_bytes_nowait(self) -> bytes:
         """Return the next frame's bytes as they came (no unpickling), or raise :class:`WouldBlock`.
@@ -238,20 +229,26 @@ class AsyncQueue(Generic[T]):
         writes with :meth:`put_bytes_nowait` (or ``Connection.send_bytes``). ``Connection``
         endpoints only (a ``Queue`` pickles everything).
         """
-        frame = self._try_get(raw=True)
-        if frame is _EMPTY:
-            raise WouldBlock
-        return frame  # type: ignore[no-any-return]
+        return self._get_nowait(raw=True)  # type: ignore[no-any-return]
 
     async def get_bytes(self, timeout: float | None = None) -> bytes:
         """Wait for the next frame's bytes (no unpickling); cancel-safe, like :meth:`get`."""
-        frame = self._try_get(raw=True)
-        if frame is not _EMPTY:
-            return frame  # type: ignore[no-any-return]
-        if timeout is None:
-            return await self._wait_and_get(raw=True)  # type: ignore[no-any-return]
+        return await self._get(True, timeout)  # type: ignore[no-any-return]
+
+    def _get_nowait(self, raw: bool) -> Any:
+        msg = self._try_get(raw)
+        if msg is _EMPTY:
+            raise WouldBlock
+        return msg
+
+    async def _get(self, raw: bool, timeout: float | None) -> Any:
+        msg = self._try_get(raw)
+        if msg is not _EMPTY:
+            return msg
+        if timeout is None:  # the hot path of every reader: no cancel scope to set up
+            return await self._wait_and_get(raw)
         with anyio.fail_after(timeout):
-            return await self._wait_and_get(raw=True)  # type: ignore[no-any-return]
+            return await self._wait_and_get(raw)
 
     async def _wait_and_get(self, raw: bool = False) -> Any:
         while True:

@@ -86,8 +86,6 @@ class Receiver:
         self._slot_versions: list[int] = []
         self._device = torch.device("cpu")
         self._stager: Stager | None = None
-        self._version = -1
-        self._pending_stage_s = 0.0
         self._updates = 0
         self._skipped = 0
         self._rejected = 0
@@ -111,6 +109,10 @@ class Receiver:
     def version(self) -> int:
         """Version the model runs now (-1 before the first weights arrive)."""
         return self._version
+
+    @property
+    def _version(self) -> int:
+        return self._roles.live.version if self._roles is not None else -1
 
     @property
     def _pending(self) -> Weights | None:
@@ -162,7 +164,7 @@ class Receiver:
         staged = self._roles.take_pending() if self._roles is not None else None
         if staged is None:
             return None
-        self._commit(staged, self._pending_stage_s)
+        self._commit(staged)
         return staged.version
 
     async def wait_stopped(self) -> None:
@@ -360,20 +362,20 @@ class Receiver:
             finally:
                 staged = roles.end_staging(done)
         assert staged is not None
-        stage_s = time.perf_counter() - t0 if not self._reads_slot else 0.0
+        if not self._reads_slot:
+            staged.stage_s = time.perf_counter() - t0
         self._skipped += msg.skipped + skipped
         if self.commit_mode == "manual":
             if roles.pending is not None:
                 self._skipped += 1  # staged, never committed, superseded
             roles.stage(staged)
-            self._pending_stage_s = stage_s
             self._send(Staged(self.worker_idx, staged.version, staged.slot))  # older slots go back
             self._changed.notify()
         else:
-            self._commit(staged, stage_s)
+            self._commit(staged)
         self._release_transient()
 
-    def _commit(self, staged: Weights, stage_s: float) -> None:
+    def _commit(self, staged: Weights) -> None:
         assert self._roles is not None
         roles = self._roles
         t0 = time.perf_counter()
@@ -396,11 +398,10 @@ class Receiver:
             # Parameters now view a shared slot: remember their version counters to notice
             # in-place writes (they would reach every worker reading that slot).
             self._slot_versions = list(map(_version_of, targets.values()))
-        self._version = staged.version
         self._commit_s = time.perf_counter() - t0
-        self._stage_s = stage_s
+        self._stage_s = staged.stage_s
         self._updates += 1
-        self._ack(Ack(self.worker_idx, staged.version, True, None, holds, stage_s, self._commit_s))
+        self._ack(Ack(self.worker_idx, staged.version, True, None, holds, staged.stage_s, self._commit_s))
         self._changed.notify()
         self._run_callbacks(staged.version)
 

@@ -58,8 +58,8 @@ class MultiProcessWeightSyncScheme:
             shared-memory segment travels with every message, as with torch pickling).
         num_slots: slots allocated at connect (``"shm"``) and kept. Default 2, or 3 with
             ``commit_mode="manual"`` (one live, one staged, one being written).
-            When lagging workers or subset sends hold them all, overflow slots are added
-            and freed again once nobody holds them.
+            When lagging workers or subset sends hold them all, a slot is added (within
+            the ownership bound) and kept for reuse.
         max_slots: cap on slots allocated at once. Default None: only the ownership
             bound ``k·W + L + G + 1`` applies (see docs/overview.md), and a send never
             waits for a worker. With a cap, a send may wait (within its timeout) for a

@@ -59,7 +59,6 @@ class _Link:
 
     def __init__(self, generation: int, conn: Connection, child_conn: Connection) -> None:
         self.generation = generation
-        self.conn = conn
         self.child_conn: Connection | None = child_conn
         self.queue: AsyncQueue[Any] = AsyncQueue(conn)
         self.pid: int | None = None
@@ -85,7 +84,6 @@ class _Worker:
         self.state = "waiting"  # waiting | connected | dead | left | stopped
         self.link: _Link | None = None
         self.generation = 0
-        self.sent = -1
         self.sends = 0  # versions published to this worker id
         self.exitcode: int | None = None
         self.process: Any = None
@@ -165,10 +163,6 @@ class Sender:
 
     def child_endpoints(self) -> dict[int, Connection]:
         """The worker ends that are still ours to hand out (pickled with the scheme)."""
-        if os.getpid() != self._pid:
-            raise RuntimeError(
-                "this scheme reached a worker by fork: asyncsync workers need the 'spawn' (or 'forkserver') start method"
-            )
         return {i: w.link.child_conn for i, w in self._workers.items() if w.link is not None and w.link.child_conn is not None}
 
     def watch_process(self, worker_idx: int, process: Any) -> None:
@@ -201,13 +195,13 @@ class Sender:
             if w.state in ("dead", "left") and w.death is not None and w.death_generation >= generation:
                 raise w.death  # the connection we wait for is already gone
             link = w.link
-            return w.state == "connected" and link is not None and link.responded >= w.sent
+            return w.state == "connected" and link is not None and link.responded >= self._sent(w)
 
         if not await self._changed.wait_until(joined, timeout):
             raise SyncTimeoutError(f"waiting for worker {worker_idx} to join", {worker_idx: self._applied(w)}, timeout)
         link = w.link
         assert link is not None
-        if link.applied < w.sent:
+        if link.applied < self._sent(w):
             raise WorkerError(worker_idx, link.rejected, link.last_error or "rejected")
 
     async def wait_dead(self, worker_idx: int, timeout: float | None = None) -> None:
@@ -242,6 +236,11 @@ class Sender:
     @staticmethod
     def _applied(w: _Worker) -> int:
         return w.link.applied if w.link is not None else -1
+
+    def _sent(self, w: _Worker) -> int:
+        """The newest version sent to *w* (-1: none)."""
+        latest = self._ledger.latest.get(w.idx)
+        return -1 if latest is None else latest.version
 
     async def connect(self, timeout: Timeout | object = ..., weights: Any = None) -> int:
         """Start watching the workers, send the initial weights, wait for every ack.
@@ -308,11 +307,11 @@ class Sender:
                 if w.state in ("dead", "left") and w.death is not None:
                     raise w.death
         groups = self._group(weights, targets, partial)
-        plan = self._split_partial(groups)
         deadline = _deadline(self._limit(timeout))
         assert self._send_lock is not None
         async with self._send_lock:
             self._check_running()
+            plan = self._split_partial(groups)
             written: list[tuple[Slot, list[int]]] = []
             try:
                 for flat, members, base in plan:
@@ -332,7 +331,6 @@ class Sender:
             for slot, members in written:
                 self._ledger.publish(slot.id, version, members)
                 for i in members:
-                    self._workers[i].sent = version
                     self._workers[i].sends += 1
             for _, members in written:
                 for i in members:
@@ -363,8 +361,9 @@ class Sender:
         if version is not None and version > self._version:
             raise ValueError(f"version {version} was not sent yet (the newest is {self._version})")
         targets = self._targets(worker_ids)
-        wanted = {i: (self._workers[i].sent if version is None else version) for i in targets}
-        wanted = {i: v for i, v in wanted.items() if v >= 0 and self._workers[i].sent >= v}
+        sent = {i: self._sent(self._workers[i]) for i in targets}
+        wanted = {i: (sent[i] if version is None else version) for i in targets}
+        wanted = {i: v for i, v in wanted.items() if v >= 0 and sent[i] >= v}
         need = len(wanted) if quorum is None else quorum
         if need > len(wanted):
             raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
@@ -417,21 +416,22 @@ class Sender:
         for i, w in self._workers.items():
             link = w.link
             applied = self._applied(w)
-            live = self._ledger.links.get(i)
+            sent = self._sent(w)
+            held = self._ledger.links.get(i)
             workers.append(
                 WorkerStatistics(
                     worker_idx=i,
                     state=w.state,
                     pid=w.pid,
                     exitcode=w.exitcode,
-                    sent_version=w.sent,
+                    sent_version=sent,
                     applied_version=applied,
-                    lag=max(self._version - applied, 0) if w.sent >= 0 else 0,
+                    lag=max(self._version - applied, 0) if sent >= 0 else 0,
                     last_error=link.last_error if link is not None else None,
                     stage_ms=link.stage_s * 1e3 if link is not None else 0.0,
                     commit_ms=link.commit_s * 1e3 if link is not None else 0.0,
                     generation=w.generation,
-                    in_flight_version=live.in_flight.version if live is not None and live.in_flight is not None else None,
+                    in_flight_version=held.in_flight.version if held is not None and held.in_flight is not None else None,
                     reason=w.death.reason if w.death is not None else None,
                 )
             )
@@ -607,15 +607,7 @@ class Sender:
         return any(link.in_flight is not None or link.staged is not None for link in self._ledger.links.values())
 
     def _release_unused(self) -> None:
-        if self._pool.reuse:  # slots are kept for reuse: nothing to free
-            return
-        freed = set(self._pool.slots)
         self._pool.release_unused()
-        freed -= set(self._pool.slots)
-        if freed:
-            for w in self._workers.values():
-                if w.link is not None:
-                    w.link.mapped -= freed
 
     async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: int | None) -> None:
         views = self._pool.views(slot)

@@ -45,10 +45,7 @@ class SlotPool:
     """Allocates and frees slots; never more than ``max_slots`` at once."""
 
     def __init__(self, layout: Layout, *, num_slots: int, max_slots: int | None, reuse: bool) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        if max_slots is not None and max_slots < num_slots:
-            raise ValueError(f"max_slots ({max_slots}) must be >= num_slots ({num_slots})")
+        # num_slots >= 1 and max_slots >= num_slots: checked by the scheme's constructor
         self.layout = layout
         self.reuse = reuse
         self.num_slots = num_slots
@@ -96,13 +93,15 @@ class SlotPool:
         return slot
 
     def release_unused(self) -> None:
-        """Free transient slots that nobody holds any more."""
+        """Free transient slots that nobody holds any more (reusable slots are kept)."""
+        if self.reuse:
+            return
         assert self.ledger is not None
         used = self.ledger.in_use()
         for sid in [s for s, slot in self.slots.items() if slot.transient and s not in used]:
             self.ledger.remove_slot(sid)
             self.slots.pop(sid).close()
-        self.ledger.check(len(self.slots) if not self.reuse else None)
+        self.ledger.check(len(self.slots))
 
     def close(self) -> None:
         for s in self.slots.values():
