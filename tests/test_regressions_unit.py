@@ -14,6 +14,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from asyncsync import (
+    CapacityError,
     ClosedError,
     MultiProcessWeightSyncScheme,
     SyncTimeoutError,
@@ -255,5 +256,22 @@ async def test_sends_cancelled_during_a_threaded_copy_keep_the_books_straight() 
         assert scheme.sender.applied_versions() == {0: v}
         assert constant(worker_model) == {42.0}
         assert scheme.statistics().slots <= 4  # k·W + L + G + 1 with W = 1
+    finally:
+        await close(scheme, workers)
+
+
+async def test_a_slot_cap_that_nothing_can_free_raises_capacity_error() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=10, max_slots=2)
+    scheme.init_on_sender(model=model, num_workers=2)
+    workers = await connect(scheme, {0: make_model(), 1: make_model()})
+    try:
+        fill_(model, 1.0)
+        await scheme.send(worker_ids=[0])  # workers 0 and 1 now run on two different slots
+        fill_(model, 2.0)
+        with pytest.raises(CapacityError, match="max_slots=2") as info:
+            await scheme.send()  # a third slot is needed and no answer is outstanding
+        assert "worker 0 live" in str(info.value) and "worker 1 live" in str(info.value)
+        assert scheme.sender.applied_versions() == {0: 1, 1: 0}  # nothing was published
     finally:
         await close(scheme, workers)
