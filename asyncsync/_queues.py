@@ -33,6 +33,7 @@ import stat
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue as _MPQueue
 from multiprocessing.reduction import ForkingPickler
@@ -162,6 +163,9 @@ class AsyncQueue(Generic[T]):
         self._writer_loop: asyncio.AbstractEventLoop | None = None
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._broken: OSError | None = None
+        # Listening: frames handed to a callback straight from the loop's reader callback.
+        self._listener: tuple[Callable[[bytes], bool], Callable[[Exception], None]] | None = None
+        self._listen_loop: asyncio.AbstractEventLoop | None = None
 
     @staticmethod
     def _borrow_socket(fd: int) -> socket.socket:
@@ -359,6 +363,59 @@ class AsyncQueue(Generic[T]):
                 raise BrokenChannelError("the other end of the pipe closed in the middle of a message")
             raise BrokenChannelError("the other end of the pipe is closed")
         raise BrokenChannelError(f"the pipe broke: {self._broken}") from self._broken
+
+    # ------------------------------------------------------------------ listening
+
+    def _listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
+        """Hand each raw frame to *on_frame* from the running loop's reader callback.
+
+        The fast path of the scheme's own channels: no task wakes up and the descriptor
+        stays registered with the selector between messages (``get`` registers it for each
+        wait). *on_frame* returns False to stop listening after that frame; the frames
+        behind it stay buffered for ``get_bytes``/``receive_fds`` or a later ``_listen``.
+        *on_end* gets the exception that ended listening: :class:`BrokenChannelError` at
+        the end of the stream, :class:`ClosedError` when the queue is closed, or what
+        *on_frame* raised. Frames already buffered are handed over before this returns.
+        Only one reader at a time: do not ``get`` while listening.
+        """
+        if self._conn is None:
+            raise TypeError("listening needs a Connection (a multiprocessing Queue pickles)")
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        self._listener = (on_frame, on_end)
+        self._hand_over(fill=False)
+        if self._listener is not None:
+            loop.add_reader(self._fd, self._hand_over, True)
+            self._listen_loop = loop
+
+    def _unlisten(self) -> None:
+        """Stop listening (idempotent); buffered frames stay for the next reader."""
+        self._listener = None
+        loop, self._listen_loop = self._listen_loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+
+    def _hand_over(self, fill: bool) -> None:
+        listener = self._listener
+        if listener is None:
+            return
+        on_frame, on_end = listener
+        try:
+            if fill:
+                self._fill()  # one read: the level-triggered selector calls again while bytes wait
+            while self._listener is listener:
+                data = self._parse(True)
+                if data is _EMPTY:
+                    if self._eof or self._read_error is not None:
+                        self._raise_broken()
+                    return
+                if not on_frame(data):
+                    self._unlisten()
+                    return
+        except Exception as exc:
+            if self._listener is listener:
+                self._unlisten()
+                on_end(exc)
 
     # -------------------------------------------------------------- descriptors
 
@@ -695,6 +752,7 @@ class AsyncQueue(Generic[T]):
             return
         self._closed = True
         self._released = True
+        self._end_listener()
         try:
             anyio.notify_closing(self._fd)  # a task waiting in get gets ClosedError
         except Exception:  # no event loop, or no waiter registered: nothing to wake
@@ -711,6 +769,12 @@ class AsyncQueue(Generic[T]):
             self._sock.detach()
         self._conn.close()
 
+    def _end_listener(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            self._unlisten()
+            listener[1](ClosedError("the queue was closed"))
+
     async def aclose(self) -> None:
         """Close the endpoint (idempotent); a task waiting on it gets :class:`ClosedError`.
 
@@ -718,6 +782,7 @@ class AsyncQueue(Generic[T]):
         """
         if not self._closed:
             self._closed = True
+            self._end_listener()
             try:
                 anyio.notify_closing(self._fd)
             except Exception:  # no readiness waiter registered: nothing to wake

@@ -236,7 +236,7 @@ class Receiver:
         reason = "the worker closed its receiver"
         try:
             while True:
-                batch = [decode(await self._queue.get_bytes())]
+                batch = [await self._next_slow_message()]
                 # Drain what is already waiting, but stop at MapSlots: its descriptors
                 # follow on the socket and must be read before any message.
                 while not isinstance(batch[-1], (MapSlots, Stop)):
@@ -263,6 +263,32 @@ class Receiver:
         finally:
             self._release(reason)
             self._changed.notify()
+
+    async def _next_slow_message(self) -> Message:
+        """Listen on the channel until a message needs this task; return it.
+
+        A ``Receive`` that commits straight from its slot is handled in the loop's reader
+        callback (a callback runs between two awaits of every task, as a commit must).
+        Anything that awaits (mapping slots, staging a copy, ``Stop``) comes back here.
+        """
+        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+
+        def on_frame(data: bytes) -> bool:
+            msg = decode(data)
+            if type(msg) is Receive and self._receive_now(msg, 0):
+                return True
+            waiter.set_result(msg)
+            return False
+
+        def on_end(exc: Exception) -> None:
+            if not waiter.done():
+                waiter.set_exception(exc)
+
+        self._queue._listen(on_frame, on_end)
+        try:
+            return await waiter
+        finally:
+            self._queue._unlisten()
 
     async def _handle(self, batch: list[Message]) -> bool:
         """Process messages in order; of several Receives only the newest is applied."""
@@ -328,44 +354,61 @@ class Receiver:
         return self._stager
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
-        live_slot = self._roles.live.slot if self._roles is not None else None
-        if self._layout is None or self._layout_error is not None or self._roles is None:
-            self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, self._layout_error or "no layout received", live_slot))
+        if self._receive_now(msg, skipped):
             return
+        assert self._roles is not None and self._layout is not None
         roles = self._roles
-        seg = self._segments.get(msg.slot)
-        if seg is None:
-            self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} was never mapped", live_slot))
-            return
-        if seg.nbytes < self._layout.nbytes:
-            self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}", live_slot))
-            return
+        seg = self._segments[msg.slot]
         views = self._slot_views.get(msg.slot)
         if views is None:
             views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
         t0 = time.perf_counter()
-        staged: Weights | None
-        if self._reads_slot:
-            staged = Weights(msg.version, views, msg.slot)
-        else:
-            staging = roles.begin_staging(msg.version)
-            done = False
-            try:
-                stager = self._get_stager()
-                keys = list(views)
-                stager.pin(seg.buf)
-                await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
-                done = True
-            finally:
-                staged = roles.end_staging(done)
+        staging = roles.begin_staging(msg.version)
+        done = False
+        try:
+            stager = self._get_stager()
+            keys = list(views)
+            stager.pin(seg.buf)
+            await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
+            done = True
+        finally:
+            staged = roles.end_staging(done)
         assert staged is not None
+        staged.stage_s = time.perf_counter() - t0
+        self._apply(staged, msg.skipped + skipped)
+
+    def _receive_now(self, msg: Receive, skipped: int) -> bool:
+        """Handle *msg* without awaiting if it can be (a rejection, or weights read straight
+        from the slot); False if it needs staging first."""
+        roles = self._roles
+        if self._layout is None or self._layout_error is not None or roles is None:
+            self._reject(msg, self._layout_error or "no layout received")
+            return True
+        seg = self._segments.get(msg.slot)
+        if seg is None:
+            self._reject(msg, f"slot {msg.slot} was never mapped")
+            return True
+        if seg.nbytes < self._layout.nbytes:
+            self._reject(msg, f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}")
+            return True
         if not self._reads_slot:
-            staged.stage_s = time.perf_counter() - t0
-        self._skipped += msg.skipped + skipped
+            return False
+        views = self._slot_views.get(msg.slot)
+        if views is None:
+            views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
+        self._apply(Weights(msg.version, views, msg.slot), msg.skipped + skipped)
+        return True
+
+    def _reject(self, msg: Receive, error: str) -> None:
+        self._rejected += 1
+        self._ack(Ack(self.worker_idx, msg.version, False, error, self._roles.live.slot if self._roles is not None else None))
+
+    def _apply(self, staged: Weights, skipped: int) -> None:
+        """Commit *staged* now, or (manual mode) make it the pending set."""
+        self._skipped += skipped
         if self.commit_mode == "manual":
+            roles = self._roles
+            assert roles is not None
             if roles.pending is not None:
                 self._skipped += 1  # staged, never committed, superseded
             roles.stage(staged)
@@ -373,7 +416,8 @@ class Receiver:
             self._changed.notify()
         else:
             self._commit(staged)
-        self._release_transient()
+        if self._transient:
+            self._release_transient()
 
     def _commit(self, staged: Weights) -> None:
         assert self._roles is not None
@@ -383,9 +427,9 @@ class Receiver:
         if roles.live.slot is not None:
             self._check_untouched()
         if self.commit_kind == "swap":
-            with torch.no_grad():
-                for key, t in targets.items():
-                    t.data = staged.tensors[key]
+            tensors = staged.tensors
+            for key, t in targets.items():
+                t.data = tensors[key]  # ``.data`` is never recorded by autograd: no no_grad needed
             roles.committed(staged, consumed=None)
         else:
             keys = list(targets)

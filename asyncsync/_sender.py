@@ -11,6 +11,8 @@ into state; waiters only look at that state, so a cancelled wait never loses an 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -46,6 +48,8 @@ from ._stats import SenderStatistics, WorkerStatistics
 from ._strategy import KnownSource, to_flat, validate
 
 __all__ = ["Sender"]
+
+logger = logging.getLogger("asyncsync")
 
 OnWorkerError = Literal["raise", "skip"]
 Timeout = float | None
@@ -673,23 +677,28 @@ class Sender:
             pass  # the reader task notices the death and reports it
 
     def _start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
-        link.tasks = [loop.create_task(self._read_loop(w, link))]
+        # Answers are handled in the loop's reader callback: no task wakes up per message.
+        link.queue._listen(functools.partial(self._on_frame, w, link), functools.partial(self._on_channel_end, w, link))
         if w.sentinel is not None:
             link.tasks.append(loop.create_task(self._watch_sentinel(w, link)))
 
-    async def _read_loop(self, w: _Worker, link: _Link) -> None:
-        try:
-            while True:
-                data = await link.queue.get_bytes()
-                if link is not w.link:
-                    return
-                self._dispatch(w, link, decode(data))
-        except ProtocolError as exc:
-            await self._on_lost(w, link, broken=exc)
-        except BrokenChannelError:
-            await self._on_lost(w, link)
-        except ClosedError:
-            pass
+    def _on_frame(self, w: _Worker, link: _Link, data: bytes) -> bool:
+        if link is not w.link:
+            return False
+        self._dispatch(w, link, decode(data))
+        return True
+
+    def _on_channel_end(self, w: _Worker, link: _Link, exc: Exception) -> None:
+        if isinstance(exc, ClosedError):
+            return  # closed here (aclose, or the loss is being handled already)
+        if not isinstance(exc, (ProtocolError, BrokenChannelError)):
+            logger.error("worker %d: handling its message failed; its channel is cut", w.idx, exc_info=exc)
+            failed = ProtocolError(f"handling its message failed: {exc!r}")
+            failed.__cause__ = exc
+            broken: ProtocolError | None = failed
+        else:
+            broken = exc if isinstance(exc, ProtocolError) else None
+        link.tasks.append(asyncio.get_running_loop().create_task(self._on_lost(w, link, broken=broken)))
 
     def _dispatch(self, w: _Worker, link: _Link, msg: Message) -> None:
         if isinstance(msg, Ack):
@@ -759,6 +768,7 @@ class Sender:
         if link is not w.link or link.lost:
             return  # an older channel, or already handled
         link.lost = True
+        link.queue._unlisten()
         if broken is None:
             self._drain(w, link)
         if self._state in ("closing", "closed") and w.state == "connected":

@@ -98,9 +98,9 @@ async def test_a_manual_worker_leaving_with_a_staged_version_is_not_overwritten(
         for k in range(2, 8):
             fill_(model, float(k))
             send = asyncio.ensure_future(scheme.send(worker_ids=[0]))
-            await c.probes[0].ask("wait_version", scheme.version)
-            await c.probes[0].ask("commit")
-            await send
+            await c.probes[0].ask("wait_version", v + k - 1)  # the version this send publishes
+            assert (await c.probes[0].ask("commit"))[1] == v + k - 1
+            assert await send == v + k - 1
         version, sd = await c.state(1)
         assert version == 0
         # it still runs version 0's weights: the trainer's initial model
