@@ -424,8 +424,9 @@ class Receiver:
         roles = self._roles
         t0 = time.perf_counter()
         targets = self._targets
-        if roles.live.slot is not None:
-            self._check_untouched()
+        # Versions recorded at the last commit stay valid while untouched: ``.data =`` keeps
+        # each parameter's own version counter as it was.
+        recorded = roles.live.slot is not None and self._check_untouched()
         if self.commit_kind == "swap":
             tensors = staged.tensors
             for key, t in targets.items():
@@ -438,7 +439,7 @@ class Receiver:
         if debug_enabled():
             roles.check({k: t.data for k, t in targets.items()})
         holds = roles.live.slot
-        if holds is not None:
+        if holds is not None and not (recorded and self.commit_kind == "swap"):
             # Parameters now view a shared slot: remember their version counters to notice
             # in-place writes (they would reach every worker reading that slot).
             self._slot_versions = list(map(_version_of, targets.values()))
@@ -449,9 +450,10 @@ class Receiver:
         self._changed.notify()
         self._run_callbacks(staged.version)
 
-    def _check_untouched(self) -> None:
+    def _check_untouched(self) -> bool:
+        """True if nothing wrote into the weights since the last commit; else say so (and False)."""
         if list(map(_version_of, self._targets.values())) == self._slot_versions:
-            return  # the common case, in C
+            return True  # the common case, in C
         written = [k for (k, t), v in zip(self._targets.items(), self._slot_versions) if t._version != v]
         if written:
             logger.error(
@@ -460,6 +462,7 @@ class Receiver:
                 self.worker_idx,
                 ", ".join(written[:8]),
             )
+        return False
 
     def _run_callbacks(self, version: int) -> None:
         """Call ``update_policy_weights_`` and ``on_update``; an exception is logged and counted,

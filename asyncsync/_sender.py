@@ -581,6 +581,9 @@ class Sender:
         return out
 
     async def _acquire_slot(self, deadline: float | None) -> Slot:
+        slot = self._pool.acquire()
+        if slot is not None:  # the common case: no closure, no wait
+            return slot
         got: list[Slot] = []
 
         def free_slot() -> bool:
@@ -614,11 +617,13 @@ class Sender:
         self._pool.release_unused()
 
     async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: int | None) -> None:
-        views = self._pool.views(slot)
         keys = self._layout.keys
-        dst = [views[k] for k in keys]
-        base_views = self._pool.views(self._pool.get(base)) if base is not None else {}
-        src = [flat[k] if k in flat else base_views[k] for k in keys]
+        dst = list(map(self._pool.views(slot).__getitem__, keys))
+        if base is None:
+            src = list(map(flat.__getitem__, keys))
+        else:
+            base_views = self._pool.views(self._pool.get(base))
+            src = [flat[k] if k in flat else base_views[k] for k in keys]
         t0 = time.perf_counter()
         if self._layout.nbytes < _THREAD_COPY_BYTES:
             copy_tensors(dst, src)

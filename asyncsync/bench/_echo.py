@@ -4,11 +4,14 @@ Same channel and same kind of processes as the scheme's: N workers started with
 :func:`asyncsync.spawn_workers` (spawn), one ``multiprocessing`` spawn-context
 ``Pipe(duplex=True)`` (a socketpair) per worker, :class:`asyncsync.AsyncQueue` on both
 ends, every end passed to every worker which keeps its own and closes the others (as the
-scheme's pickled endpoints are), ``torch.set_num_threads(1)`` in the workers. One echo:
-the trainer ``put_nowait``\\ s one small message (``(step, 32 bytes)``, ~50 bytes pickled,
-about the size of the scheme's ``Receive``) to every worker, then ``await get()``\\ s every
-reply; each worker ``await get()``\\ s and ``put_nowait``\\ s the message back (the calls the
-scheme's sender and receivers use). ``ECHO_WARMUP`` echoes, then ``repeats`` timed ones.
+scheme's pickled endpoints are), ``torch.set_num_threads(1)`` in the workers. And the
+same machinery as the scheme's hot path: raw frames (no pickle), written with
+``put_bytes_nowait`` and handed over by the queue's reader callback (the descriptor stays
+registered with the loop's selector; no task wakes up per message on the worker). One
+echo: the trainer writes one 40-byte frame (about a ``Receive``) to every worker and
+awaits a future that the reader callbacks resolve once every reply is back; each worker
+writes every frame back from its reader callback. ``ECHO_WARMUP`` echoes, then
+``repeats`` timed ones.
 
 A send of weights cannot take less than this unless it sends no message: it is the
 message and wake-up cost that dominates small models, as the one-copy floor is the data
@@ -39,9 +42,8 @@ JOIN_TIMEOUT_S = 60.0
 
 
 async def echo_worker(worker_idx: int, ends: list[Connection]) -> int:
-    """Send back every message until ``None`` (or the trainer's end closes); return how many."""
+    """Send back every frame until an empty one (or the trainer's end closes); return how many."""
     from asyncsync import AsyncQueue
-    from asyncsync._errors import BrokenChannelError
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
     torch.set_num_threads(1)
@@ -49,17 +51,25 @@ async def echo_worker(worker_idx: int, ends: list[Connection]) -> int:
         if i != worker_idx:
             other.close()  # the other workers' ends (as the scheme's receiver does)
     q: AsyncQueue[Any] = AsyncQueue(ends[worker_idx])
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     echoed = 0
+
+    def on_frame(data: bytes) -> bool:
+        nonlocal echoed
+        if not data:
+            done.set_result(None)
+            return False
+        q.put_bytes_nowait(data)
+        echoed += 1
+        return True
+
+    def on_end(exc: Exception) -> None:
+        if not done.done():
+            done.set_result(None)
+
     try:
-        while True:
-            try:
-                msg = await q.get()
-            except BrokenChannelError:
-                break
-            if msg is None:
-                break
-            q.put_nowait(msg)
-            echoed += 1
+        q._listen(on_frame, on_end)
+        await done
     finally:
         await q.aclose()
     return echoed
@@ -80,24 +90,43 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
     theirs = [b for _, b in pairs]
     queues: list[AsyncQueue[Any]] = [AsyncQueue(a) for a, _ in pairs]
     times: list[float] = []
+    loop = asyncio.get_running_loop()
+    replies: list[bytes] = []
+    round_done: asyncio.Future[None] = loop.create_future()
+
+    def on_frame(data: bytes) -> bool:
+        replies.append(data)
+        if len(replies) == workers and not round_done.done():
+            round_done.set_result(None)
+        return True
+
+    def on_end(exc: Exception) -> None:
+        if not round_done.done():
+            round_done.set_exception(exc)
+
     try:
         async with spawn_workers(echo_worker, workers, args=(theirs,), join_timeout=JOIN_TIMEOUT_S) as group:
             for b in theirs:
                 b.close()  # each worker holds its own copy now: EOF will mean it is gone
+            for q in queues:
+                q._listen(on_frame, on_end)
             with anyio.fail_after(ECHO_TIMEOUT_S):
                 for step in range(warmup + repeats):
-                    msg = (step, ECHO_PAYLOAD)
+                    msg = step.to_bytes(8, "big") + ECHO_PAYLOAD
+                    replies.clear()
+                    round_done = loop.create_future()
                     t0 = time.perf_counter_ns()
                     for q in queues:
-                        q.put_nowait(msg)
-                    replies = [await q.get() for q in queues]
+                        q.put_bytes_nowait(msg)
+                    await round_done
                     t1 = time.perf_counter_ns()
                     if any(r != msg for r in replies):
                         raise RuntimeError(f"echo {step}: expected {msg!r} back, got {replies!r}")
                     if step >= warmup:
                         times.append((t1 - t0) / 1e6)
                 for q in queues:
-                    q.put_nowait(None)
+                    q._unlisten()
+                    q.put_bytes_nowait(b"")
                 for q in queues:
                     await q.flush()
             echoed = await group.join(timeout=JOIN_TIMEOUT_S)
