@@ -1,0 +1,138 @@
+"""Where a send's CPU goes: the scheme and its receivers in one process, under cProfile.
+
+``python -m asyncsync.bench.profile --params 10k --workers 2 --sends 2000``
+
+The receivers are :func:`asyncsync.loopback_worker` ends in the trainer's own event loop,
+over the same sockets and shared memory as spawned workers: this measures the Python and
+system-call work of both sides per send (what the 2-core machine has to share), without
+the cost of waking another process. It prints CPU per send without and with the
+profiler, then that CPU split by owner (sender, receiver, channel, event loop, the copy
+in torch, other) from the profile's own time per function, and the top functions.
+
+Example::
+
+    from asyncsync.bench.profile import profile_sends
+    report = profile_sends("1M/256", workers=2, sends=300)
+    print(report["cpu_us_per_send"], report["shares"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["profile_sends"]
+
+_OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sender", ("asyncsync/_sender.py", "asyncsync/_ownership.py", "asyncsync/_slots.py", "asyncsync/_strategy.py", "asyncsync/_signal.py")),
+    ("receiver", ("asyncsync/_receiver.py",)),
+    ("channel", ("asyncsync/_queues.py", "asyncsync/_protocol.py", "sendmsg", "recvmsg_into")),
+    ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),
+    ("torch copy", ("_foreach_copy_", "asyncsync/_staging.py")),
+)
+
+
+def _owner(func: tuple[str, int, str]) -> str:
+    where = f"{func[0]} {func[2]}"
+    for owner, needles in _OWNERS:
+        if any(n in where for n in needles):
+            return owner
+    return "other"
+
+
+async def _run(params: str, workers: int, sends: int, profile: bool) -> tuple[float, pstats.Stats | None]:
+    from asyncsync import MultiProcessWeightSyncScheme, loopback_worker
+    from asyncsync.bench._workload import make_model, parse_params
+
+    n_params, n_tensors = parse_params(params)
+    model = make_model(n_params, n_tensors)
+    scheme = MultiProcessWeightSyncScheme(strategy="tensordict", sync=True)
+    scheme.init_on_sender(model=model, num_workers=workers)
+    ends = [loopback_worker(scheme, i) for i in range(workers)]
+    for i, end in enumerate(ends):
+        end.init_on_receiver(worker_idx=i, model=make_model(n_params, n_tensors, seed=1))
+    connecting = [asyncio.ensure_future(end.connect()) for end in ends]
+    try:
+        await scheme.connect()
+        await asyncio.gather(*connecting)
+        for _ in range(min(200, sends)):
+            await scheme.send()
+        prof = cProfile.Profile() if profile else None
+        t0 = time.process_time()
+        if prof is not None:
+            prof.enable()
+        for _ in range(sends):
+            await scheme.send()
+        if prof is not None:
+            prof.disable()
+        cpu = (time.process_time() - t0) / sends
+    finally:
+        for end in ends:
+            await end.aclose()
+        await scheme.aclose()
+    return cpu, (pstats.Stats(prof) if prof is not None else None)
+
+
+def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top: int = 15) -> dict[str, Any]:
+    """Profile *sends* sends of a *params* model to *workers* in-process receivers.
+
+    Returns ``cpu_us_per_send`` (no profiler), ``profiled_cpu_us_per_send``,
+    ``shares`` (owner -> fraction of the profiled time) and ``top`` (printable lines).
+    """
+    if workers < 1 or sends < 1:
+        raise ValueError(f"need workers >= 1 and sends >= 1, got {workers}, {sends}")
+    from asyncsync._ownership import debug_enabled, set_debug
+
+    debug = debug_enabled()
+    set_debug(False)  # the invariant checks (ASYNCSYNC_DEBUG) would dominate the profile
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain, _ = asyncio.run(_run(params, workers, sends, profile=False))
+        profiled, stats = asyncio.run(_run(params, workers, sends, profile=True))
+    finally:
+        set_debug(debug)
+        torch.set_num_threads(threads)
+    assert stats is not None
+    by_owner: dict[str, float] = {}
+    total = 0.0
+    for func, (_cc, _nc, tt, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        by_owner[_owner(func)] = by_owner.get(_owner(func), 0.0) + tt
+        total += tt
+    out = io.StringIO()
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(top)
+    return {
+        "params": params,
+        "workers": workers,
+        "sends": sends,
+        "cpu_us_per_send": plain * 1e6,
+        "profiled_cpu_us_per_send": profiled * 1e6,
+        "shares": {k: v / total for k, v in sorted(by_owner.items(), key=lambda kv: -kv[1])},
+        "top": out.getvalue(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m asyncsync.bench.profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", default="10k", help="model spec N or N/T, as in the bench (default 10k)")
+    parser.add_argument("--workers", type=int, default=2, help="in-process receivers (default 2)")
+    parser.add_argument("--sends", type=int, default=2000, help="profiled sends (default 2000)")
+    parser.add_argument("--top", type=int, default=15, help="functions listed (default 15)")
+    args = parser.parse_args(argv)
+    r = profile_sends(args.params, args.workers, args.sends, args.top)
+    print(f"{r['params']} to {r['workers']} in-process receivers, {r['sends']} sends")
+    print(f"CPU per send (sender + receivers): {r['cpu_us_per_send']:.0f} us; under the profiler {r['profiled_cpu_us_per_send']:.0f} us")
+    print("profiled time by owner: " + ", ".join(f"{k} {v:.0%}" for k, v in r["shares"].items()))
+    print(r["top"])
+
+
+if __name__ == "__main__":
+    main()
