@@ -1,7 +1,8 @@
 """Async wrappers around multiprocessing pipes and queues.
 
 Waiting is readiness of the underlying file descriptor in the event loop
-(:func:`anyio.wait_readable`), never a thread parked in a blocking ``get()``: such a
+(:func:`anyio.wait_readable`, or a reader callback that stays registered for the scheme's
+own channels), never a thread parked in a blocking ``get()``: such a
 thread cannot be cancelled and would swallow the next message. A cancelled or
 timed-out :meth:`AsyncQueue.get` therefore loses nothing.
 

@@ -4,8 +4,9 @@ Every send copies the weights once into a free shared-memory slot and makes it t
 version of each targeted worker. A worker has at most one ``Receive`` outstanding; when it
 answers, it is handed its newest version (latest wins), so a slow worker holds at most its
 live slot and one in flight and never slows a send. Slot ownership is kept by a
-:class:`~._ownership.SlotLedger`. A reader task per connection turns the worker's answers
-into state; waiters only look at that state, so a cancelled wait never loses an ack.
+:class:`~._ownership.SlotLedger`. The loop's reader callback of each connection turns the
+worker's answers into state as they arrive (no task per message); waiters only look at
+that state, so a cancelled wait never loses an ack.
 """
 
 from __future__ import annotations
@@ -679,7 +680,7 @@ class Sender:
                     link.mapped.add(slot.id)
             link.queue.put_bytes_nowait(encode(Receive(ref.version, slot.id, skipped)))
         except (BrokenChannelError, ClosedError, WouldBlock):
-            pass  # the reader task notices the death and reports it
+            pass  # the channel's end is noticed by its reader callback, which reports it
 
     def _start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
         # Answers are handled in the loop's reader callback: no task wakes up per message.
