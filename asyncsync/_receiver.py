@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
+from ._faults import installed as _installed_faults
 from ._layout import Layout
 from ._ownership import BufferRoles, Weights, debug_enabled
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
@@ -99,9 +100,10 @@ class Receiver:
         self._changed = Signal()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
-        self._stopped_by_sender = False
+        self._no_bye = False  # the sender stopped us or is gone, or a test kills us: say no Bye
         self._released = False
         self._state = "new"
+        self._faults = _installed_faults.get()  # asyncsync.testing's fault injection, else None
 
     # ----------------------------------------------------------------- public API
 
@@ -213,6 +215,15 @@ class Receiver:
         if self._callback_tasks:
             await asyncio.wait(list(self._callback_tasks))
 
+    async def _kill(self) -> None:
+        """End as a worker whose process died: no ``Bye``, the channel just closes.
+
+        For ``asyncsync.testing``'s loopback workers; the model keeps its weights (copied
+        out of shared memory, as at any end).
+        """
+        self._no_bye = True
+        await self.aclose()
+
     def __del__(self) -> None:
         task = getattr(self, "_task", None)
         if task is not None and not task.done():
@@ -245,7 +256,7 @@ class Receiver:
                     except WouldBlock:
                         break
                 if await self._handle(batch):
-                    self._stopped_by_sender = True
+                    self._no_bye = True
                     return
         except ProtocolError as exc:  # the sender is out of step: end here, and say why in the Bye
             reason = f"its receiver got a malformed message from the sender ({exc})"
@@ -253,7 +264,7 @@ class Receiver:
             self._error.__cause__ = exc
         except BrokenChannelError as exc:
             self._error = SenderDiedError(f"worker {self.worker_idx}: the sender is gone ({exc}); keeping version {self._version}")
-            self._stopped_by_sender = True
+            self._no_bye = True
         except ClosedError:
             pass
         except Exception as exc:  # a bug: make it visible to whoever awaits the receiver
@@ -328,21 +339,16 @@ class Receiver:
         return self._stager
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
-        live_slot = self._roles.live.slot if self._roles is not None else None
-        if self._layout is None or self._layout_error is not None or self._roles is None:
-            self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, self._layout_error or "no layout received", live_slot))
-            return
-        roles = self._roles
+        refusal = await self._faults.before_apply(msg.version) if self._faults is not None else None
         seg = self._segments.get(msg.slot)
-        if seg is None:
+        if refusal is None:
+            refusal = self._refusal(msg, seg)
+        if refusal is not None:
             self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} was never mapped", live_slot))
+            self._ack(Ack(self.worker_idx, msg.version, False, refusal, self._roles.live.slot if self._roles is not None else None))
             return
-        if seg.nbytes < self._layout.nbytes:
-            self._rejected += 1
-            self._ack(Ack(self.worker_idx, msg.version, False, f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}", live_slot))
-            return
+        assert self._layout is not None and self._roles is not None and seg is not None
+        roles = self._roles
         views = self._slot_views.get(msg.slot)
         if views is None:
             views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
@@ -374,6 +380,16 @@ class Receiver:
         else:
             self._commit(staged)
         self._release_transient()
+
+    def _refusal(self, msg: Receive, seg: Segment | None) -> str | None:
+        """Why this worker cannot apply *msg* (it then keeps its weights), or None."""
+        if self._layout is None or self._layout_error is not None or self._roles is None:
+            return self._layout_error or "no layout received"
+        if seg is None:
+            return f"slot {msg.slot} was never mapped"
+        if seg.nbytes < self._layout.nbytes:
+            return f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}"
+        return None
 
     def _commit(self, staged: Weights) -> None:
         assert self._roles is not None
@@ -480,7 +496,7 @@ class Receiver:
                 if roles.detach(lambda ts: {k: t.clone() for k, t in ts.items()}):
                     for key, t in self._targets.items():
                         t.data = roles.live.tensors[key]
-        if not self._stopped_by_sender:
+        if not self._no_bye:
             self._send(Bye(self.worker_idx, self._version, reason))
         self._queue.close()
         for seg in self._segments.values():
