@@ -85,11 +85,12 @@ class Faults:
 
     async def kill(self, worker_idx: int) -> None:
         """End worker *worker_idx* as a crash would (a process: SIGKILL; a loopback worker:
-        its channel closes without a goodbye); return once it is gone.
+        its channel closes without a goodbye); return once it is gone and the sender (if
+        connected) has noticed: from then on a send that targets it raises
+        :class:`~asyncsync.WorkerDiedError` naming it before anything is sent (with
+        ``on_worker_error="raise"``). ``restart(i)`` brings a replacement.
 
-        The sender notices by itself (at once for processes it watches): a send that targets
-        the worker raises :class:`~asyncsync.WorkerDiedError`; ``await scheme.sender.wait_dead(i)``
-        waits for that. ``restart(i)`` brings a replacement.
+        To kill a worker in the middle of a send, start the send as a task first.
         """
         raise NotImplementedError
 
@@ -130,6 +131,7 @@ class _LoopbackFaults(Faults):
 
     async def kill(self, worker_idx: int) -> None:
         await self._owner.workers[worker_idx].receiver._kill()
+        await self._owner.scheme.sender.wait_dead(worker_idx, timeout=self.timeout)
 
     async def _command(self, worker_idx: int, command: dict[str, Any], *, required: bool = True) -> None:
         if worker_idx not in self.hooks:
@@ -192,6 +194,9 @@ class _ProcessFaults(Faults):
         self._owner.kill(worker_idx)
         if not await self._owner._wait_exit(worker_idx, self.timeout):
             raise SyncTimeoutError(f"waiting for worker {worker_idx} to die", {worker_idx: -1}, self.timeout)
+        scheme = self._owner.scheme
+        if scheme is not None and getattr(scheme, "_sender", None) is not None:
+            await scheme.sender.wait_dead(worker_idx, timeout=self.timeout)
 
     async def _command(self, worker_idx: int, command: dict[str, Any], *, required: bool = True) -> None:
         if worker_idx not in self._owner.processes:
