@@ -468,14 +468,20 @@ def no_leaks() -> Iterator[None]:
     except BaseException:
         _kill(set(_descendants()) - children0)
         raise
-    gc.collect()  # unreachable channels close their descriptors when collected
     children = {pid: cmd for pid, cmd in _descendants().items() if pid not in children0}
     _kill(set(children))
-    fds = {fd: target for fd, target in _fds().items() if fds0.get(fd) != target}
+    fds = _new_fds(fds0)
+    if fds:
+        gc.collect()  # unreachable channels close their descriptors when collected (slow: only then)
+        fds = _new_fds(fds0)
     problems = [f"child process {pid} ({cmd}) still running" for pid, cmd in sorted(children.items())]
     problems += [f"file descriptor {fd} ({target}) left open" for fd, target in sorted(fds.items())]
     if problems:
         raise LeakError("asyncsync leak check: " + "; ".join(problems))
+
+
+def _new_fds(before: Mapping[int, str]) -> dict[int, str]:
+    return {fd: target for fd, target in _fds().items() if before.get(fd) != target}
 
 
 def _fds() -> dict[int, str]:
