@@ -20,7 +20,7 @@ Disable it with ``-p no:asyncsync``.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -30,12 +30,12 @@ if TYPE_CHECKING:
 _failed = pytest.StashKey[bool]()
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
+@pytest.hookimpl(hookwrapper=True)  # old style: works with every pluggy a user may have
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
     if report.when == "call" and report.failed:
         item.stash[_failed] = True
-    return report
 
 
 @pytest.fixture

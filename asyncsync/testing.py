@@ -22,6 +22,7 @@ Nothing here is imported by ``import asyncsync``, and nothing here imports pytes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -163,9 +164,11 @@ class _ProcessFaults(Faults):
         self._server = asyncio.get_running_loop().create_task(asyncio.start_unix_server(self._on_client, sock=self._listener))
 
     async def aclose(self) -> None:
-        for _, writer in self._conns.values():
+        conns, self._conns = list(self._conns.values()), {}
+        for _, writer in conns:
             writer.close()
-        self._conns.clear()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
         if self._server is not None:
             server = await self._server
             server.close()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import asyncsync.testing
 from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError
 from asyncsync.testing import LoopbackWorkers, ProcessWorkers, open_loopback, open_workers
 from tests._targets import fill_, make_model, simple_worker
@@ -143,6 +144,17 @@ def test_the_plugin_is_an_entry_point_that_imports_neither_asyncsync_nor_torch()
     probe = "import sys, _asyncsync_pytestplugin; print(sorted(m for m in ('asyncsync', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=30)
     assert out.stdout.strip() == "[]"
+
+
+def test_asyncsync_testing_is_imported_explicitly_and_never_imports_pytest() -> None:
+    probe = (
+        "import sys, asyncsync; before = 'asyncsync.testing' in sys.modules; import asyncsync.testing; "
+        "print(before, 'pytest' in sys.modules, sorted(asyncsync.testing.__all__) == asyncsync.testing.__all__)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["False", "False", "True"]
+    for name in asyncsync.testing.__all__:
+        assert getattr(asyncsync.testing, name).__module__ == "asyncsync.testing"
 
 
 INI = "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
