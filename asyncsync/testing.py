@@ -104,7 +104,7 @@ class Faults:
         try:
             yield
         finally:
-            with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self.timeout, shield=True):
                 await self._command(worker_idx, {"hold": False}, required=False)
 
     @asynccontextmanager
@@ -117,7 +117,7 @@ class Faults:
         try:
             yield
         finally:
-            with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self.timeout, shield=True):
                 await self._command(worker_idx, {"refusal": None}, required=False)
 
     async def _command(self, worker_idx: int, command: dict[str, Any], *, required: bool = True) -> None:
@@ -181,7 +181,9 @@ class _ProcessFaults(Faults):
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             hello = json.loads(await reader.readline())
-            valid = hello["token"] == self.token and isinstance(hello["worker_idx"], int)
+            proc = self._owner.processes.get(hello["worker_idx"])
+            # only the current process of that worker (not one killed before its hello came in)
+            valid = hello["token"] == self.token and proc is not None and hello["pid"] == proc.pid
         except (ValueError, KeyError, TypeError, ConnectionError):
             valid = False
         if not valid:
