@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,32 +168,54 @@ def test_the_example_user_tests_pass(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=4)
 
 
+class Leftovers:
+    """A plugin for the inner run: what its tests leak, for the outer test to clean up
+    (this suite's own leak check would fail it otherwise)."""
+
+    def __init__(self) -> None:
+        self.processes: list[Any] = []
+        self.fds: list[int] = []
+
+    @pytest.fixture
+    def leftovers(self) -> Leftovers:
+        return self
+
+    def clean(self) -> None:
+        for p in self.processes:
+            p.join(timeout=30)  # killed by the leak check
+            assert p.exitcode == -signal.SIGKILL
+            p.close()
+        for fd in self.fds:
+            os.close(fd)
+
+
 def test_a_leaked_process_or_descriptor_fails_the_test(pytester: pytest.Pytester) -> None:
     pytester.makeini(INI)
     pytester.makepyfile(
         test_leaks="""
         import multiprocessing, os, time
 
-        def test_leaks_a_process(asyncsync_no_leaks):
-            multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,)).start()
+        def test_leaks_a_process(asyncsync_no_leaks, leftovers):
+            p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+            p.start()
+            leftovers.processes.append(p)
 
-        def test_leaks_a_descriptor(asyncsync_no_leaks):
-            os.environ["LEAKED_FDS"] = "%d,%d" % os.pipe()
+        def test_leaks_a_descriptor(asyncsync_no_leaks, leftovers):
+            leftovers.fds.extend(os.pipe())
 
         def test_clean(asyncsync_no_leaks):
             os.close(os.dup(0))
         """
     )
+    leftovers = Leftovers()
     try:
-        result = pytester.runpytest("-p", "no:cacheprovider")
+        result = pytester.runpytest("-p", "no:cacheprovider", plugins=[leftovers])
     finally:
-        for fd in os.environ.pop("LEAKED_FDS", "").split(","):
-            if fd:
-                os.close(int(fd))
+        leftovers.clean()
     result.assert_outcomes(passed=3, errors=2)
-    result.stdout.re_match_lines([r".*LeakError: asyncsync leak check: child process \d+ \(.*\) still running"])
+    result.stdout.re_match_lines([r".*LeakError: asyncsync leak check: child process \d+ \(.*\) still running.*"])
     result.stdout.re_match_lines([r".*LeakError: asyncsync leak check: file descriptor \d+ \(pipe:\[\d+\]\) left open.*"])
-    # the leaked process was killed: the autouse check of this suite would fail otherwise
+    assert (len(leftovers.processes), len(leftovers.fds)) == (1, 2)
 
 
 def test_a_failed_test_gets_no_leak_report_on_top_but_its_processes_are_killed(pytester: pytest.Pytester) -> None:
@@ -201,12 +224,18 @@ def test_a_failed_test_gets_no_leak_report_on_top_but_its_processes_are_killed(p
         test_fails="""
         import multiprocessing, time
 
-        def test_fails_and_leaks(asyncsync_no_leaks):
-            multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,)).start()
+        def test_fails_and_leaks(asyncsync_no_leaks, leftovers):
+            p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+            p.start()
+            leftovers.processes.append(p)
             assert False, "the test's own failure"
         """
     )
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    leftovers = Leftovers()
+    try:
+        result = pytester.runpytest("-p", "no:cacheprovider", plugins=[leftovers])
+    finally:
+        leftovers.clean()  # asserts the process was killed
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*the test's own failure*"])
     assert "LeakError" not in result.stdout.str()
