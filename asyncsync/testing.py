@@ -307,17 +307,17 @@ class LoopbackWorkers:
         """Replace worker *worker_idx* (killed or not) by a new loopback worker; return once it
         applied the latest weights. Its model is a new one from the factory, else the same
         module (which kept its last weights)."""
-        old = self.workers[worker_idx]
-        await old.receiver._kill()
-        await self.scheme.sender.wait_dead(worker_idx, timeout=timeout)
+        await self.faults.kill(worker_idx)  # a no-op beyond the wait if it is dead already
         if self._factory is not None:
             self.models[worker_idx] = self._factory()
         joining = asyncio.ensure_future(self._join(self._attach(worker_idx)))
         try:
             await self.scheme.sender.wait_joined(worker_idx, timeout=timeout)
-        finally:
+        except BaseException:
+            joining.cancel()
             await asyncio.wait([joining])
-        joining.result()
+            raise
+        await joining
 
     async def aclose(self) -> None:
         """Close the sender, then every worker (idempotent)."""
