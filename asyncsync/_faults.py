@@ -40,8 +40,10 @@ class FaultHook:
 
     def apply(self, command: dict[str, Any]) -> None:
         """A command from :mod:`asyncsync.testing`: ``{"hold": bool}`` or ``{"refusal": str | None}``."""
-        if "hold" in command:
-            self.hold() if command["hold"] else self.release()
+        if command.get("hold") is True:
+            self.hold()
+        elif command.get("hold") is False:
+            self.release()
         if "refusal" in command:
             self.refusal = command["refusal"]
 
