@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
+from ._faults import installed as _installed_faults
 from ._layout import Layout
 from ._ownership import BufferRoles, Weights, debug_enabled
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
@@ -99,9 +100,10 @@ class Receiver:
         self._changed = Signal()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
-        self._stopped_by_sender = False
+        self._no_bye = False  # the sender stopped us or is gone, or a test kills us: say no Bye
         self._released = False
         self._state = "new"
+        self._faults = _installed_faults.get()  # asyncsync.testing's fault injection, else None
 
     # ----------------------------------------------------------------- public API
 
@@ -213,6 +215,15 @@ class Receiver:
         if self._callback_tasks:
             await asyncio.wait(list(self._callback_tasks))
 
+    async def _kill(self) -> None:
+        """End as a worker whose process died: no ``Bye``, the channel just closes.
+
+        For ``asyncsync.testing``'s loopback workers; the model keeps its weights (copied
+        out of shared memory, as at any end).
+        """
+        self._no_bye = True
+        await self.aclose()
+
     def __del__(self) -> None:
         task = getattr(self, "_task", None)
         if task is not None and not task.done():
@@ -245,7 +256,7 @@ class Receiver:
                     except WouldBlock:
                         break
                 if await self._handle(batch):
-                    self._stopped_by_sender = True
+                    self._no_bye = True
                     return
         except ProtocolError as exc:  # the sender is out of step: end here, and say why in the Bye
             reason = f"its receiver got a malformed message from the sender ({exc})"
@@ -253,7 +264,7 @@ class Receiver:
             self._error.__cause__ = exc
         except BrokenChannelError as exc:
             self._error = SenderDiedError(f"worker {self.worker_idx}: the sender is gone ({exc}); keeping version {self._version}")
-            self._stopped_by_sender = True
+            self._no_bye = True
         except ClosedError:
             pass
         except Exception as exc:  # a bug: make it visible to whoever awaits the receiver
@@ -275,7 +286,7 @@ class Receiver:
 
         def on_frame(data: bytes) -> bool:
             msg = decode(data)
-            if type(msg) is Receive and self._receive_now(msg, 0):
+            if type(msg) is Receive and self._faults is None and self._receive_now(msg, 0):
                 return True
             waiter.set_result(msg)
             return False
@@ -354,14 +365,23 @@ class Receiver:
         return self._stager
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
-        if self._receive_now(msg, skipped):
+        if self._faults is None and self._receive_now(msg, skipped):
             return
-        assert self._roles is not None and self._layout is not None
+        refusal = await self._faults.before_apply(msg.version) if self._faults is not None else None
+        seg = self._segments.get(msg.slot)
+        if refusal is None:
+            refusal = self._refusal(msg, seg)
+        if refusal is not None:
+            self._reject(msg, refusal)
+            return
+        assert self._layout is not None and self._roles is not None and seg is not None
         roles = self._roles
-        seg = self._segments[msg.slot]
         views = self._slot_views.get(msg.slot)
         if views is None:
             views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
+        if self._reads_slot:
+            self._apply(Weights(msg.version, views, msg.slot), msg.skipped + skipped)
+            return
         t0 = time.perf_counter()
         staging = roles.begin_staging(msg.version)
         done = False
@@ -378,21 +398,16 @@ class Receiver:
         self._apply(staged, msg.skipped + skipped)
 
     def _receive_now(self, msg: Receive, skipped: int) -> bool:
-        """Handle *msg* without awaiting if it can be (a rejection, or weights read straight
-        from the slot); False if it needs staging first."""
-        roles = self._roles
-        if self._layout is None or self._layout_error is not None or roles is None:
-            self._reject(msg, self._layout_error or "no layout received")
-            return True
+        """Handle *msg* without awaiting if it can be (a refusal, or weights read straight
+        from the slot); False if it needs staging first. Never with a fault hook (it awaits)."""
         seg = self._segments.get(msg.slot)
-        if seg is None:
-            self._reject(msg, f"slot {msg.slot} was never mapped")
-            return True
-        if seg.nbytes < self._layout.nbytes:
-            self._reject(msg, f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}")
+        refusal = self._refusal(msg, seg)
+        if refusal is not None:
+            self._reject(msg, refusal)
             return True
         if not self._reads_slot:
             return False
+        assert seg is not None and self._layout is not None
         views = self._slot_views.get(msg.slot)
         if views is None:
             views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
@@ -418,6 +433,16 @@ class Receiver:
             self._commit(staged)
         if self._transient:
             self._release_transient()
+
+    def _refusal(self, msg: Receive, seg: Segment | None) -> str | None:
+        """Why this worker cannot apply *msg* (it then keeps its weights), or None."""
+        if self._layout is None or self._layout_error is not None or self._roles is None:
+            return self._layout_error or "no layout received"
+        if seg is None:
+            return f"slot {msg.slot} was never mapped"
+        if seg.nbytes < self._layout.nbytes:
+            return f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}"
+        return None
 
     def _commit(self, staged: Weights) -> None:
         assert self._roles is not None
@@ -527,7 +552,7 @@ class Receiver:
                 if roles.detach(lambda ts: {k: t.clone() for k, t in ts.items()}):
                     for key, t in self._targets.items():
                         t.data = roles.live.tensors[key]
-        if not self._stopped_by_sender:
+        if not self._no_bye:
             self._send(Bye(self.worker_idx, self._version, reason))
         self._queue.close()
         for seg in self._segments.values():

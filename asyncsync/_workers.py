@@ -239,15 +239,20 @@ class WorkerGroup:
         except TimeoutError:
             running = {i: -1 for i, p in self.processes.items() if p.exitcode is None}
             raise SyncTimeoutError("joining workers", running, timeout) from None
-        for idx in sorted(self._outcomes):
-            status, value, tb = self._outcomes[idx]
+        outcomes = self._reported()
+        for idx in sorted(outcomes):
+            status, value, tb = outcomes[idx]
             if status != "ok":
                 err = WorkerProcessError(idx, str(value) if value is not None else tb.strip().splitlines()[-1] if tb else "failed", tb)
                 if isinstance(value, BaseException):
                     raise err from value
                 raise err
-        self.results = {i: self._outcomes[i][1] for i in sorted(self._outcomes)}
+        self.results = {i: outcomes[i][1] for i in sorted(outcomes)}
         return self.results
+
+    def _reported(self) -> dict[int, tuple[str, Any, str]]:
+        """The outcomes :meth:`join` reports: all (``asyncsync.testing`` leaves out the workers it killed)."""
+        return self._outcomes
 
     async def _collect(self, idx: int) -> None:
         if idx in self._outcomes:

@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -20,6 +21,7 @@ from asyncsync import (
     WorkerDiedError,
     spawn_workers,
 )
+from asyncsync.testing import ProcessWorkers
 from tests._targets import fill_, make_model, simple_worker, trainer_process
 from tests.conftest import Cluster
 
@@ -76,14 +78,13 @@ async def test_manual_commit_timeout_names_the_silent_worker() -> None:
         await c.kill_close()
 
 
-async def test_skip_mode_rejoin_gets_latest_weights() -> None:
+async def test_skip_mode_rejoin_gets_latest_weights(asyncsync_workers: Callable[..., ProcessWorkers]) -> None:
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=30, on_worker_error="skip")
     scheme.init_on_sender(model=model, num_workers=2)
-    async with spawn_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as group:
+    async with asyncsync_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as group:
         async with scheme:
-            group.kill(1)
-            await scheme.sender.wait_dead(1, timeout=10)
+            await group.faults.kill(1)  # returns once the sender noticed
             fill_(model, 9.0)
             v = await scheme.send()  # goes on to the living worker
             assert scheme.statistics().worker(0).applied_version == v
@@ -97,19 +98,16 @@ async def test_skip_mode_rejoin_gets_latest_weights() -> None:
     assert results == {0: v2, 1: v2}
 
 
-async def test_worker_killed_before_connect_is_named() -> None:
+async def test_worker_killed_before_connect_is_named(asyncsync_workers: Callable[..., ProcessWorkers]) -> None:
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=30)
     scheme.init_on_sender(model=model, num_workers=2)
-    group = spawn_workers(simple_worker, 2, args=(scheme,), scheme=scheme)
-    group.start()
-    try:
-        group.kill(0)
+    async with asyncsync_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as group:
+        await group.faults.kill(0)
         with pytest.raises(WorkerDiedError, match="worker 0"):
-            await scheme.connect()
-    finally:
-        await scheme.aclose()
-        await group.aclose()
+            async with scheme:
+                pass
+        await group.aclose()  # worker 1 may have found the sender gone: no result to join
 
 
 async def test_trainer_killed_workers_notice_and_keep_weights() -> None:

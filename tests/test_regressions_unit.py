@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import pickle
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,29 +22,10 @@ from asyncsync import (
     WorkerError,
     loopback_worker,
 )
+from asyncsync.testing import LoopbackWorkers
 from tests._targets import fill_, make_model
 
-
-async def connect(scheme: MultiProcessWeightSyncScheme, models: dict[int, nn.Module], **opts: Any) -> dict[int, MultiProcessWeightSyncScheme]:
-    """Loopback workers for *models*, connected (manual mode: version 0 committed)."""
-    workers = {i: loopback_worker(scheme, i) for i in models}
-    for i, w in workers.items():
-        w.init_on_receiver(worker_idx=i, model=models[i], **opts)
-    joining = [asyncio.ensure_future(w.connect()) for w in workers.values()]
-    sending = asyncio.ensure_future(scheme.connect())
-    if scheme.commit_mode == "manual":
-        for w in workers.values():
-            await w.wait_for_version(0)
-            w.commit()
-    await asyncio.gather(*joining)
-    await sending
-    return workers
-
-
-async def close(scheme: MultiProcessWeightSyncScheme, workers: dict[int, MultiProcessWeightSyncScheme]) -> None:
-    await scheme.aclose()
-    for w in workers.values():
-        await w.aclose()
+Loopback = Callable[..., LoopbackWorkers]  # the asyncsync_loopback fixture (asyncsync's pytest plugin)
 
 
 def constant(model: nn.Module) -> set[float]:
@@ -56,13 +37,12 @@ class Holder:
         self.policy = policy
 
 
-async def test_context_model_id_is_looked_up_at_every_send() -> None:
+async def test_context_model_id_is_looked_up_at_every_send(asyncsync_loopback: Loopback) -> None:
     ctx = Holder(make_model())
     scheme = MultiProcessWeightSyncScheme(timeout=10)
     scheme.init_on_sender(model_id="policy", context=ctx, num_workers=1)
     worker_model = make_model()
-    workers = await connect(scheme, {0: worker_model})
-    try:
+    async with asyncsync_loopback(scheme, {0: worker_model}):
         replacement = make_model()
         fill_(replacement, 4.0)
         ctx.policy = replacement  # torchrl looks the model up again at every send
@@ -71,8 +51,6 @@ async def test_context_model_id_is_looked_up_at_every_send() -> None:
         ctx.policy = None  # type: ignore[assignment]
         with pytest.raises(WeightsError, match="context.policy is no longer an nn.Module"):
             await scheme.send()
-    finally:
-        await close(scheme, workers)
 
 
 class Tied(nn.Module):
@@ -88,7 +66,7 @@ class Tied(nn.Module):
 
 @pytest.mark.parametrize("source", ["model", "state_dict"])
 @pytest.mark.parametrize("sent", ["model", "state_dict", "tensordict"])
-async def test_tied_weights_and_non_persistent_buffers_in_every_format(source: str, sent: str) -> None:
+async def test_tied_weights_and_non_persistent_buffers_in_every_format(asyncsync_loopback: Loopback, source: str, sent: str) -> None:
     trainer = Tied()
     scheme = MultiProcessWeightSyncScheme(timeout=10)
     if source == "model":
@@ -97,8 +75,7 @@ async def test_tied_weights_and_non_persistent_buffers_in_every_format(source: s
         scheme.init_on_sender(weights=trainer.state_dict(), num_workers=1)
     worker_model = Tied()
     worker_model.inv_freq.fill_(7.0)  # its own, never sent
-    workers = await connect(scheme, {0: worker_model})
-    try:
+    async with asyncsync_loopback(scheme, {0: worker_model}):
         with torch.no_grad():
             trainer.emb.weight.fill_(3.0)
         weights = {"model": trainer, "state_dict": trainer.state_dict(), "tensordict": TensorDict.from_module(trainer)}[sent]
@@ -106,28 +83,23 @@ async def test_tied_weights_and_non_persistent_buffers_in_every_format(source: s
         assert bool((worker_model.emb.weight == 3.0).all())
         assert worker_model.head.weight is worker_model.emb.weight  # still tied
         assert bool((worker_model.inv_freq == 7.0).all())
-    finally:
-        await close(scheme, workers)
 
 
-async def test_check_finite_checks_the_wire_dtype() -> None:
+async def test_check_finite_checks_the_wire_dtype(asyncsync_loopback: Loopback) -> None:
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=10, check_finite=True, transfer_dtype=torch.float16)
     scheme.init_on_sender(model=model, num_workers=1)
     worker_model = make_model()
-    workers = await connect(scheme, {0: worker_model})
-    try:
+    async with asyncsync_loopback(scheme, {0: worker_model}):
         fill_(model, 1e5)  # finite in float32, inf in float16
         with pytest.raises(WeightsError, match="float16"):
             await scheme.send()
         fill_(model, 1e3)
         await scheme.send()
         assert constant(worker_model) == {1e3}
-    finally:
-        await close(scheme, workers)
 
 
-async def test_a_failed_async_with_leaves_nothing_running_and_connect_can_be_retried() -> None:
+async def test_a_failed_async_with_leaves_nothing_running_and_connect_can_be_retried(asyncsync_loopback: Loopback) -> None:
     scheme = MultiProcessWeightSyncScheme(timeout=0.2)
     scheme.init_on_sender(model=make_model(), num_workers=1)
     with pytest.raises(SyncTimeoutError):
@@ -141,13 +113,8 @@ async def test_a_failed_async_with_leaves_nothing_running_and_connect_can_be_ret
     scheme.init_on_sender(model=make_model(), num_workers=1)
     with pytest.raises(SyncTimeoutError):
         await scheme.connect(timeout=0.05)
-    worker = loopback_worker(scheme, 0)
-    worker_model = make_model()
-    worker.init_on_receiver(worker_idx=0, model=worker_model)
-    joining = asyncio.ensure_future(worker.connect())
-    assert await scheme.connect() == 0
-    await joining
-    await close(scheme, {0: worker})
+    async with asyncsync_loopback(scheme, make_model):  # connect() again, with the worker there
+        assert scheme.version == 0 and scheme.sender.applied_versions() == {0: 0}
 
 
 async def test_devices_that_cannot_be_used_fail_early_with_the_real_reason() -> None:
@@ -163,18 +130,16 @@ async def test_devices_that_cannot_be_used_fail_early_with_the_real_reason() -> 
     with pytest.raises(WorkerError, match="cannot place the model on cuda:0"):
         await scheme.connect()
     assert await joining == -1  # the worker runs on, with its own weights
-    await close(scheme, {0: worker})
+    await scheme.aclose()
+    await worker.aclose()
 
 
-async def test_waiting_for_a_version_not_sent_yet_is_an_error() -> None:
+async def test_waiting_for_a_version_not_sent_yet_is_an_error(asyncsync_loopback: Loopback) -> None:
     scheme = MultiProcessWeightSyncScheme(timeout=10)
     scheme.init_on_sender(model=make_model(), num_workers=1)
-    workers = await connect(scheme, {0: make_model()})
-    try:
+    async with asyncsync_loopback(scheme, make_model):
         with pytest.raises(ValueError, match="version 5 was not sent yet"):
             await scheme.wait_async(version=5)
-    finally:
-        await close(scheme, workers)
 
 
 async def test_fork_and_double_unpickling_are_refused_clearly() -> None:
@@ -195,13 +160,12 @@ async def test_fork_and_double_unpickling_are_refused_clearly() -> None:
     await scheme.aclose()
 
 
-async def test_subset_then_partial_to_all_needs_no_wait() -> None:
+async def test_subset_then_partial_to_all_needs_no_wait(asyncsync_loopback: Loopback) -> None:
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=2)
     scheme.init_on_sender(model=model, num_workers=2)
     models = {0: make_model(), 1: make_model()}
-    workers = await connect(scheme, models)
-    try:
+    async with asyncsync_loopback(scheme, models):
         fill_(model, 1.0)
         await scheme.send(worker_ids=[1])
         v = await scheme.send({"0.bias": torch.full((16,), 5.0)}, partial=True)  # two bases: two slots
@@ -209,37 +173,31 @@ async def test_subset_then_partial_to_all_needs_no_wait() -> None:
         assert bool((models[1].state_dict()["0.weight"] == 1.0).all())
         assert bool((models[0].state_dict()["0.bias"] == 5.0).all())
         assert torch.equal(models[0].state_dict()["0.weight"], make_model().state_dict()["0.weight"])
-    finally:
-        await close(scheme, workers)
 
 
-async def test_manual_workers_on_different_versions_never_block_send_async() -> None:
+async def test_manual_workers_on_different_versions_never_block_send_async(asyncsync_loopback: Loopback) -> None:
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=2, commit_mode="manual")
     scheme.init_on_sender(model=model, num_workers=2)
-    workers = await connect(scheme, {0: make_model(), 1: make_model()})
-    try:
+    async with asyncsync_loopback(scheme, make_model) as lb:
         for k in range(10):  # worker 0 commits everything, worker 1 nothing
             fill_(model, float(k))
             v = await scheme.send_async()
-            await workers[0].wait_for_version(v)
-            workers[0].commit()
+            await lb.workers[0].wait_for_version(v)
+            lb.workers[0].commit()
         await scheme.wait_async(worker_ids=[0])
-        assert workers[1].version == 0 and workers[1].update_pending
-        assert workers[1].commit() == v
+        assert lb.workers[1].version == 0 and lb.workers[1].update_pending
+        assert lb.workers[1].commit() == v
         await scheme.wait_async()
-    finally:
-        await close(scheme, workers)
 
 
-async def test_sends_cancelled_during_a_threaded_copy_keep_the_books_straight() -> None:
+async def test_sends_cancelled_during_a_threaded_copy_keep_the_books_straight(asyncsync_loopback: Loopback) -> None:
     # 8 MB: the trainer's copy into the slot runs in its copy thread, which a cancel cannot stop
     model = nn.Sequential(nn.Linear(1024, 2048))
     scheme = MultiProcessWeightSyncScheme(timeout=10)
     scheme.init_on_sender(model=model, num_workers=1)
     worker_model = nn.Sequential(nn.Linear(1024, 2048))
-    workers = await connect(scheme, {0: worker_model})
-    try:
+    async with asyncsync_loopback(scheme, {0: worker_model}):
         for k in range(6):
             fill_(model, float(k))
             task = asyncio.ensure_future(scheme.send())
@@ -256,16 +214,13 @@ async def test_sends_cancelled_during_a_threaded_copy_keep_the_books_straight() 
         assert scheme.sender.applied_versions() == {0: v}
         assert constant(worker_model) == {42.0}
         assert scheme.statistics().slots <= 4  # k·W + L + G + 1 with W = 1
-    finally:
-        await close(scheme, workers)
 
 
-async def test_a_slot_cap_that_nothing_can_free_raises_capacity_error() -> None:
+async def test_a_slot_cap_that_nothing_can_free_raises_capacity_error(asyncsync_loopback: Loopback) -> None:
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=10, max_slots=2)
     scheme.init_on_sender(model=model, num_workers=2)
-    workers = await connect(scheme, {0: make_model(), 1: make_model()})
-    try:
+    async with asyncsync_loopback(scheme, make_model):
         fill_(model, 1.0)
         await scheme.send(worker_ids=[0])  # workers 0 and 1 now run on two different slots
         fill_(model, 2.0)
@@ -273,5 +228,3 @@ async def test_a_slot_cap_that_nothing_can_free_raises_capacity_error() -> None:
             await scheme.send()  # a third slot is needed and no answer is outstanding
         assert "worker 0 live" in str(info.value) and "worker 1 live" in str(info.value)
         assert scheme.sender.applied_versions() == {0: 1, 1: 0}  # nothing was published
-    finally:
-        await close(scheme, workers)

@@ -1,0 +1,545 @@
+"""Helpers for testing code that uses asyncsync: loopback workers, real worker processes,
+fault injection and a leak check. The pytest plugin (``asyncsync_loopback``,
+``asyncsync_workers``, ``asyncsync_no_leaks`` fixtures) is a thin layer over them; see
+docs/testing.md.
+
+Example (pytest-asyncio; ``make_policy`` and ``train_step`` are yours)::
+
+    from asyncsync import MultiProcessWeightSyncScheme, WorkerError
+
+    async def test_my_loop_survives_a_rejected_update(asyncsync_loopback):
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        async with asyncsync_loopback(scheme, make_policy) as lb:
+            async with lb.faults.reject(1, "corrupt"):
+                with pytest.raises(WorkerError, match="worker 1 rejected version 1: corrupt"):
+                    await scheme.send()
+            await scheme.send()          # worker 1 takes the next version again
+
+Nothing here is imported by ``import asyncsync``, and nothing here imports pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import secrets
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from multiprocessing import resource_sharer, resource_tracker
+from types import TracebackType
+from typing import Any
+
+import anyio
+import torch
+from torch import nn
+
+from ._errors import SyncTimeoutError, WorkerDiedError
+from ._faults import FaultHook, installed, run_with_faults
+from ._loopback import loopback_worker
+from ._receiver import OnUpdate
+from ._scheme import MultiProcessWeightSyncScheme
+from ._signal import Signal
+from ._workers import WorkerGroup
+
+__all__ = [
+    "Faults",
+    "LeakError",
+    "LoopbackWorkers",
+    "ProcessWorkers",
+    "no_leaks",
+    "open_loopback",
+    "open_workers",
+]
+
+_REJECTED = "rejected by asyncsync.testing"
+
+
+# --------------------------------------------------------------------------- faults
+
+
+class Faults:
+    """Fault injection into one set of workers, to test your own error handling.
+
+    Get it from :attr:`LoopbackWorkers.faults` or :attr:`ProcessWorkers.faults`; it works
+    the same on both. Faults act in the worker's receiver, before it stages an update;
+    workers without them run exactly the code they run in production.
+
+    Example::
+
+        await workers.faults.kill(1)               # the sender raises WorkerDiedError(1, ...)
+        async with workers.faults.delay_acks(0):   # worker 0 answers nothing until the block ends
+            with pytest.raises(SyncTimeoutError):
+                await scheme.send(timeout=0.5)
+        async with workers.faults.reject(0, "corrupt"):
+            with pytest.raises(WorkerError):       # worker 0 keeps its weights
+                await scheme.send()
+    """
+
+    timeout: float = 30.0
+    """Bound, in seconds, of each fault command (a worker process must first connect)."""
+
+    async def kill(self, worker_idx: int) -> None:
+        """End worker *worker_idx* as a crash would (a process: SIGKILL; a loopback worker:
+        its channel closes without a goodbye); return once it is gone and the sender (if
+        connected) has noticed: from then on a send that targets it raises
+        :class:`~asyncsync.WorkerDiedError` naming it before anything is sent (with
+        ``on_worker_error="raise"``). ``restart(i)`` brings a replacement.
+
+        To kill a worker in the middle of a send, start the send as a task first.
+        """
+        raise NotImplementedError
+
+    @asynccontextmanager
+    async def delay_acks(self, worker_idx: int) -> AsyncIterator[None]:
+        """While the block runs, worker *worker_idx* answers no update: one that arrives
+        waits, neither applied nor acknowledged, until the block ends (as if the worker's
+        loop were busy). Then it applies the newest version, and sends work again."""
+        await self._command(worker_idx, {"hold": True})
+        try:
+            yield
+        finally:
+            with anyio.move_on_after(self.timeout, shield=True):
+                await self._command(worker_idx, {"hold": False}, required=False)
+
+    @asynccontextmanager
+    async def reject(self, worker_idx: int, message: str = _REJECTED) -> AsyncIterator[None]:
+        """While the block runs, worker *worker_idx* refuses every update with *message*:
+        it keeps its weights and the sender raises :class:`~asyncsync.WorkerError` naming
+        the worker, the version and *message* (or, with ``on_worker_error="skip"``, records
+        it in ``statistics().worker(i).last_error``)."""
+        await self._command(worker_idx, {"refusal": message})
+        try:
+            yield
+        finally:
+            with anyio.move_on_after(self.timeout, shield=True):
+                await self._command(worker_idx, {"refusal": None}, required=False)
+
+    async def _command(self, worker_idx: int, command: dict[str, Any], *, required: bool = True) -> None:
+        """Apply *command* in the worker's :class:`FaultHook`; return once it is in force."""
+        raise NotImplementedError
+
+
+class _LoopbackFaults(Faults):
+    def __init__(self, owner: LoopbackWorkers) -> None:
+        self._owner = owner
+        self.hooks: dict[int, FaultHook] = {}
+
+    async def kill(self, worker_idx: int) -> None:
+        await self._owner.workers[worker_idx].receiver._kill()
+        await self._owner.scheme.sender.wait_dead(worker_idx, timeout=self.timeout)
+
+    async def _command(self, worker_idx: int, command: dict[str, Any], *, required: bool = True) -> None:
+        if worker_idx not in self.hooks:
+            raise ValueError(f"no loopback worker {worker_idx}; workers: {sorted(self.hooks)}")
+        self.hooks[worker_idx].apply(command)
+
+
+class _ProcessFaults(Faults):
+    """Commands to each worker process's :class:`FaultHook` over a Unix socket (an abstract
+    address: nothing on disk), one JSON object a line, each answered once applied."""
+
+    def __init__(self, owner: ProcessWorkers) -> None:
+        self._owner = owner
+        self.address = f"\0asyncsync-faults-{os.getpid()}-{secrets.token_hex(8)}"
+        self.token = secrets.token_hex(16)
+        self._listener: socket.socket | None = None
+        self._server: asyncio.Task[asyncio.Server] | None = None
+        self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._changed = Signal()
+
+    def listen(self) -> None:
+        """Listen now (the processes may connect before the loop accepts them)."""
+        if self._listener is not None:
+            return
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(64)
+        self._server = asyncio.get_running_loop().create_task(asyncio.start_unix_server(self._on_client, sock=self._listener))
+
+    async def aclose(self) -> None:
+        conns, self._conns = list(self._conns.values()), {}
+        for _, writer in conns:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        if self._server is not None:
+            server = await self._server
+            server.close()
+            await server.wait_closed()
+            self._server = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            hello = json.loads(await reader.readline())
+            proc = self._owner.processes.get(hello["worker_idx"])
+            # only the current process of that worker (not one killed before its hello came in)
+            valid = hello["token"] == self.token and proc is not None and hello["pid"] == proc.pid
+        except (ValueError, KeyError, TypeError, ConnectionError):
+            valid = False
+        if not valid:
+            writer.close()
+            return
+        old = self._conns.pop(hello["worker_idx"], None)  # a replacement's connection supersedes
+        if old is not None:
+            old[1].close()
+        self._conns[hello["worker_idx"]] = (reader, writer)
+        self._changed.notify()
+
+    async def kill(self, worker_idx: int) -> None:
+        self._owner.kill(worker_idx)
+        if not await self._owner._wait_exit(worker_idx, self.timeout):
+            raise SyncTimeoutError(f"waiting for worker {worker_idx} to die", {worker_idx: -1}, self.timeout)
+        scheme = self._owner.scheme
+        if scheme is not None and getattr(scheme, "_sender", None) is not None:
+            await scheme.sender.wait_dead(worker_idx, timeout=self.timeout)
+
+    async def _command(self, worker_idx: int, command: dict[str, Any], *, required: bool = True) -> None:
+        if worker_idx not in self._owner.processes:
+            raise ValueError(f"no worker {worker_idx}; workers: {sorted(self._owner.processes)}")
+        if required and not await self._changed.wait_until(lambda: worker_idx in self._conns, self.timeout):
+            raise SyncTimeoutError(f"waiting for worker {worker_idx} to take fault commands", {worker_idx: -1}, self.timeout)
+        lock = self._locks.setdefault(worker_idx, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(worker_idx)
+            if conn is None:
+                return  # not required: a worker that is gone holds nothing
+            reader, writer = conn
+            try:
+                writer.write(json.dumps(command).encode() + b"\n")
+                await writer.drain()
+                answered = bool(await reader.readline())
+            except ConnectionError:
+                answered = False
+            if answered:
+                return
+            if self._conns.get(worker_idx) is conn:
+                del self._conns[worker_idx]
+                writer.close()
+            if required:
+                proc = self._owner.processes[worker_idx]
+                raise WorkerDiedError(worker_idx, proc.exitcode, proc.pid)
+
+
+# --------------------------------------------------------------------------- loopback
+
+
+class LoopbackWorkers:
+    """Workers in this event loop, connected to *scheme* (an in-process loopback).
+
+    The same sockets, shared memory and protocol as worker processes, without the
+    processes: fast tests of code that calls ``send`` / ``send_async`` / ``wait_async``
+    or reacts in ``on_update``. Use it as ``async with``: on entry every worker is
+    connected and runs version 0 (committed, with ``commit_mode="manual"``); on exit the
+    sender and every worker are closed. Build one with :func:`open_loopback`.
+
+    Attributes:
+        scheme: the sender's scheme (as given).
+        workers: ``{worker_idx: worker-side scheme}``: ``version``, ``wait_for_version``,
+            ``commit``, ``statistics()``...
+        models: ``{worker_idx: the worker's model}``.
+        faults: :class:`Faults` for these workers.
+    """
+
+    def __init__(
+        self,
+        scheme: MultiProcessWeightSyncScheme,
+        models: Mapping[int, nn.Module] | Callable[[], nn.Module],
+        *,
+        on_update: OnUpdate | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.scheme = scheme
+        self._factory = models if callable(models) else None
+        ids = scheme.sender.worker_ids
+        self.models: dict[int, nn.Module] = {i: self._factory() for i in ids} if self._factory is not None else dict(models)  # type: ignore[arg-type]
+        if sorted(self.models) != sorted(ids):
+            raise ValueError(f"models for workers {sorted(self.models)}, the scheme has workers {sorted(ids)}")
+        self._on_update = on_update
+        self._device = device
+        self.workers: dict[int, MultiProcessWeightSyncScheme] = {}
+        self.faults = _LoopbackFaults(self)
+
+    def _attach(self, worker_idx: int) -> MultiProcessWeightSyncScheme:
+        worker = loopback_worker(self.scheme, worker_idx)
+        hook = FaultHook()
+        reset = installed.set(hook)
+        try:
+            worker.init_on_receiver(worker_idx=worker_idx, model=self.models[worker_idx], on_update=self._on_update, device=self._device)
+        finally:
+            installed.reset(reset)
+        self.faults.hooks[worker_idx] = hook
+        self.workers[worker_idx] = worker
+        return worker
+
+    @staticmethod
+    async def _join(worker: MultiProcessWeightSyncScheme) -> None:
+        await worker.connect()
+        if worker.commit_mode == "manual":
+            worker.commit()  # the sender's connect() waits for version 0 to be committed
+
+    async def __aenter__(self) -> LoopbackWorkers:
+        joins = [asyncio.ensure_future(self._join(self._attach(i))) for i in self.models]
+        try:
+            await self.scheme.connect()
+            await asyncio.gather(*joins)
+        except BaseException:
+            for t in joins:
+                t.cancel()
+            await asyncio.wait(joins)
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def restart(self, worker_idx: int, *, timeout: float = 10.0) -> None:
+        """Replace worker *worker_idx* (killed or not) by a new loopback worker; return once it
+        applied the latest weights. Its model is a new one from the factory, else the same
+        module (which kept its last weights)."""
+        await self.faults.kill(worker_idx)  # a no-op beyond the wait if it is dead already
+        if self._factory is not None:
+            self.models[worker_idx] = self._factory()
+        joining = asyncio.ensure_future(self._join(self._attach(worker_idx)))
+        try:
+            await self.scheme.sender.wait_joined(worker_idx, timeout=timeout)
+        except BaseException:
+            joining.cancel()
+            await asyncio.wait([joining])
+            raise
+        await joining
+
+    async def aclose(self) -> None:
+        """Close the sender, then every worker (idempotent)."""
+        await self.scheme.aclose()
+        for worker in self.workers.values():
+            await worker.aclose()
+
+
+def open_loopback(
+    scheme: MultiProcessWeightSyncScheme,
+    models: Mapping[int, nn.Module] | Callable[[], nn.Module],
+    *,
+    on_update: OnUpdate | None = None,
+    device: torch.device | str | None = None,
+) -> LoopbackWorkers:
+    """Loopback workers for *scheme* (set up with ``init_on_sender``), to use as ``async with``.
+
+    *models* is ``{worker_idx: model}`` for every worker of the scheme, or a factory called
+    once per worker. *on_update* and *device* go to each worker's ``init_on_receiver``.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=policy, num_workers=2)
+        async with open_loopback(scheme, make_policy) as lb:
+            fill_(policy, 1.0)
+            await scheme.send()
+            assert lb.workers[0].version == 1
+            assert torch.equal(lb.models[1][0].weight, policy[0].weight)
+    """
+    return LoopbackWorkers(scheme, models, on_update=on_update, device=device)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class ProcessWorkers(WorkerGroup):
+    """A :class:`~asyncsync.WorkerGroup` (spawned processes) whose workers take faults.
+
+    Each process runs ``await fn(worker_idx, *args, **kwargs)`` as with
+    :func:`~asyncsync.spawn_workers`, with :attr:`faults` reaching the receivers it creates.
+    A worker killed by :meth:`Faults.kill` (or :meth:`kill`) and not restarted is expected
+    to be dead: :meth:`join` (and a normal exit of the block) reports the others and leaves
+    it out of ``results``. Build one with :func:`open_workers`.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        num_workers: int | None = None,
+        *,
+        worker_ids: Iterable[int] | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        scheme: Any = None,
+        join_timeout: float = 30.0,
+    ) -> None:
+        if not asyncio.iscoroutinefunction(fn):
+            raise TypeError("fn must be an async function taking worker_idx first")
+        self.faults = _ProcessFaults(self)
+        self._killed: set[int] = set()
+        super().__init__(
+            run_with_faults,
+            num_workers,
+            worker_ids=worker_ids,
+            args=(self.faults.address, self.faults.token, fn, *args),
+            kwargs=kwargs,
+            scheme=scheme,
+            join_timeout=join_timeout,
+        )
+
+    def start(self) -> None:
+        self.faults.listen()
+        super().start()
+
+    def _start_one(self, idx: int) -> None:
+        super()._start_one(idx)
+        self._killed.discard(idx)  # a replacement is expected to live
+
+    def kill(self, worker_idx: int) -> None:
+        self._killed.add(worker_idx)
+        super().kill(worker_idx)
+
+    def _reported(self) -> dict[int, tuple[str, Any, str]]:
+        return {i: outcome for i, outcome in self._outcomes.items() if i not in self._killed}
+
+    async def aclose(self, grace: float = 2.0) -> None:
+        try:
+            await super().aclose(grace)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.faults.aclose()
+
+
+def open_workers(
+    fn: Callable[..., Coroutine[Any, Any, Any]],
+    num_workers: int | None = None,
+    *,
+    worker_ids: Iterable[int] | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    scheme: Any = None,
+    join_timeout: float = 30.0,
+) -> ProcessWorkers:
+    """Worker processes (spawned) running *fn*, with faults, to use as ``async with``.
+
+    Same arguments as :func:`~asyncsync.spawn_workers`; *fn* must be importable (module
+    level), as spawn needs.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=30)
+        scheme.init_on_sender(model=policy, num_workers=2)
+        async with open_workers(my_worker, 2, args=(scheme,), scheme=scheme) as workers:
+            async with scheme:
+                await workers.faults.kill(1)
+                with pytest.raises(WorkerDiedError, match="worker 1"):
+                    await scheme.send()
+    """
+    return ProcessWorkers(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout)
+
+
+# --------------------------------------------------------------------------- leaks
+
+
+class LeakError(AssertionError):
+    """Child processes or file descriptors outlived the block that created them."""
+
+
+@contextmanager
+def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
+    """Fail (:class:`LeakError`) if the block leaves a child process or a file descriptor.
+
+    Child processes: every descendant of this process started in the block and still
+    running at its end (zombies, multiprocessing's resource tracker and forkserver, which
+    live as long as the interpreter, are not counted); they are killed before the error is
+    raised, so later tests start clean. Descriptors (unless *descriptors* is False): every
+    entry of ``/proc/self/fd`` opened in the block and still open after a garbage
+    collection (unclosed schemes, sockets, pipes, shared-memory segments, files; not
+    multiprocessing's resource sharer, kept for the interpreter's life). A scheme that
+    outlives the block (a module-scoped fixture) may rightly open descriptors in it: a
+    slot added under load, a replacement worker's channel; check descriptors where the
+    block owns its schemes. Read from ``/proc``: Linux only, as asyncsync is. If the
+    block raises, leftover processes are killed and its exception goes on.
+
+    Example::
+
+        with no_leaks():
+            asyncio.run(main())
+    """
+    resource_tracker.ensure_running()  # started once per interpreter, and kept: not a leak
+    children0 = set(_descendants())
+    fds0 = _fds()
+    try:
+        yield
+    except BaseException:
+        _kill(set(_descendants()) - children0)
+        raise
+    children = {pid: cmd for pid, cmd in _descendants().items() if pid not in children0}
+    _kill(set(children))
+    fds = _new_fds(fds0) if descriptors else {}
+    if fds:
+        gc.collect()  # unreachable channels close their descriptors when collected (slow: only then)
+        fds = _new_fds(fds0)
+    problems = [f"child process {pid} ({cmd}) still running" for pid, cmd in sorted(children.items())]
+    problems += [f"file descriptor {fd} ({target}) left open" for fd, target in sorted(fds.items())]
+    if problems:
+        raise LeakError("asyncsync leak check: " + "; ".join(problems))
+
+
+def _new_fds(before: Mapping[int, str]) -> dict[int, str]:
+    # multiprocessing's resource sharer (started when a Connection is pickled outside a
+    # spawn) keeps its listening socket for the interpreter's life
+    try:
+        kept = {resource_sharer._resource_sharer._listener._listener._socket.fileno()}  # type: ignore[attr-defined]
+    except AttributeError:  # not started (its _listener is None), or another Python's layout
+        kept = set()
+    return {fd: target for fd, target in _fds().items() if before.get(fd) != target and fd not in kept}
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the descriptor listdir itself used
+    return out
+
+
+def _descendants() -> dict[int, str]:
+    """{pid: command line} of the running (not zombie) descendants of this process."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(name))
+    out = {}
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd:
+            continue  # the interpreter's own helpers, kept for its lifetime
+        out[pid] = cmd[:200]
+    return out
+
+
+def _kill(pids: Iterable[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
