@@ -561,11 +561,25 @@ class AsyncQueue(Generic[T]):
     def _append_frame(self, payload: bytes | memoryview) -> None:
         size = len(payload)
         if size <= _SMALL_FRAME:
-            self._wq.append(_HEADER.pack(size) + payload)
+            frame: bytes | memoryview = _HEADER.pack(size) + payload
+            if not self._wq and self._sock is not None:
+                # Nothing queued: hand the frame to the kernel at once (every control message).
+                try:
+                    sent = self._sock.send(frame, _SEND_FLAGS)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    self._set_broken(exc)
+                    self._raise_broken()
+                if sent == len(frame):
+                    return
+                frame = memoryview(frame)[sent:]
+            self._wq.append(frame)
+            self._wbytes += len(frame)
         else:
             self._wq.append(_frame_header(size))
             self._wq.append(payload)
-        self._wbytes += size + (4 if size <= 0x7FFFFFFF else 12)
+            self._wbytes += size + (4 if size <= 0x7FFFFFFF else 12)
         self._start_flush()
 
     async def put(self, item: T) -> None:
