@@ -9,8 +9,12 @@ from exactly one version, and every transition is stamped with it (``scheme.vers
 
 Each environment sends a fragment of ``--fragment`` transitions at a time to the trainer
 over the library's own ``AsyncQueue`` (one pipe per worker; a fragment is a dict of small
-numpy arrays, pickled: about 1 KB for CartPole, so shared memory would buy nothing here;
-a worker producing images would put its frames in shared memory and send their indices).
+numpy arrays, pickled: 2.4 KB for 32 CartPole steps, so shared memory would buy nothing
+here; a worker producing images would put its frames in shared memory and send their
+indices). An environment collects at most ``--ahead`` fragments ahead of the learner's
+version (its k-th fragment waits for version k - ahead): the learner uses one fragment per
+environment per version, so collecting further ahead would only produce rollouts it drops
+as stale, on CPU cores the learner needs.
 
 The learner is PPO with the clipped ratio taken against the *behaviour* policy: each
 transition carries the log-probability its (possibly older) policy gave the action, so a
@@ -53,6 +57,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -312,14 +317,15 @@ class Progress:
         self.shown = 0
         self.last = 0.0
 
-    def update(self, episodes: int, postfix: dict[str, Any], force: bool = False) -> None:
+    def update(self, episodes: int, postfix: Callable[[], dict[str, Any]], force: bool = False) -> None:
+        """Redraw at most twice a second (*postfix* is only called then)."""
         now = time.perf_counter()
         if self.bar is None or (not force and now - self.last < 0.5):
             return
         self.last = now
         self.bar.update(episodes - self.shown)
         self.shown = episodes
-        self.bar.set_postfix(postfix, refresh=True)
+        self.bar.set_postfix(postfix(), refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -370,18 +376,22 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     time_to_target: float | None = None
     steps_to_target: int | None = None
     stop_reason = "time limit"
-    progress = Progress(args.progress)
+    progress: Progress | None = None
+
+    rate_mark = [0.0, 0]  # (time, env steps) at the previous postfix: steps/s over the last interval
 
     def postfix() -> dict[str, Any]:
         stats = scheme.sender.statistics()
-        elapsed = time.perf_counter() - t_train
+        now = time.perf_counter()
+        sps = (env_steps - rate_mark[1]) / max(now - rate_mark[0], 1e-9)
+        rate_mark[:] = [now, env_steps]
         return {
-            "ret": f"{np.mean(recent):.0f}" if recent else "-",
-            "v": stats.version,
-            "lag": max(w.lag for w in stats.workers),
-            "sync_ms": f"{np.median(sync_ms[-50:]):.1f}" if sync_ms else "-",
-            "sps": f"{env_steps / max(elapsed, 1e-9):.0f}",
-            "drop": dropped,
+            "ret": f"{np.mean(recent):.0f}" if recent else "-",  # mean of the last 20 episodes
+            "v": stats.version,  # policy version
+            "lag": max(w.lag for w in stats.workers),  # versions the slowest worker is behind
+            "sync_ms": f"{np.median(sync_ms[-50:]):.1f}" if sync_ms else "-",  # publish -> applied on a worker
+            "sps": f"{sps:.0f}",  # env steps per second
+            "drop": dropped,  # stale rollouts dropped
         }
 
     async with spawn_workers(rollout_worker, args.workers, args=(scheme, writers, cfg), scheme=scheme) as group:
@@ -392,8 +402,9 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
         reader_tasks = [asyncio.ensure_future(_read_rollouts(q, inbox)) for q in queues]
         try:
             async with scheme:  # version 0 to every worker
-                t_train = time.perf_counter()
+                t_train = rate_mark[0] = time.perf_counter()
                 startup_s = t_train - t0
+                progress = Progress(args.progress)
                 done = False
                 while not done:
                     batch: list[dict[str, Any]] = []
@@ -424,7 +435,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
                             dropped_steps += len(frag["actions"])
                         else:
                             batch.append(frag)
-                        progress.update(len(curve), postfix())
+                        progress.update(len(curve), postfix)
                     if done:
                         break
                     batch.sort(key=lambda f: (f["worker"], f["env"]))  # a reproducible batch order
@@ -445,12 +456,13 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
                         quorum_wait_s += time.perf_counter() - waited
                     if args.max_updates is not None and scheme.version >= args.max_updates:
                         stop_reason, done = "max updates", True
-                progress.update(len(curve), postfix(), force=True)
+                train_s = time.perf_counter() - t_train
+                progress.update(len(curve), postfix, force=True)
                 sender_stats = scheme.sender.statistics()
-            train_s = time.perf_counter() - t_train
             results = await group.join()
         finally:
-            progress.close()
+            if progress is not None:
+                progress.close()
             for task in reader_tasks:
                 task.cancel()
             await asyncio.gather(*reader_tasks, return_exceptions=True)
