@@ -530,7 +530,7 @@ def plot_runs(summaries: list[dict[str, Any]], path: Path) -> None:
         ax_t.plot(wall, mean, color=colors[mode], alpha=0.85, label=label)
         ax_s.plot(steps, mean, color=colors[mode], alpha=0.85)
     for ax in (ax_t, ax_s):
-        ax.axhline(summaries[0]["target"], color="grey", ls="--", lw=1)
+        ax.axhline(summaries[0]["target"], color="grey", ls="--", lw=1, label=f"target {summaries[0]['target']:g}" if ax is ax_t else None)
         ax.grid(alpha=0.3)
     ax_t.set_xlabel("wall time since launch (s)")
     ax_s.set_xlabel("environment steps")
