@@ -457,6 +457,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
                     if args.max_updates is not None and scheme.version >= args.max_updates:
                         stop_reason, done = "max updates", True
                 train_s = time.perf_counter() - t_train
+                await scheme.wait_async()  # once, at the end: every worker finishes on the final policy
                 progress.update(len(curve), postfix, force=True)
                 sender_stats = scheme.sender.statistics()
             results = await group.join()
