@@ -336,8 +336,8 @@ async def _read_rollouts(queue: AsyncQueue[dict[str, Any]], inbox: asyncio.Queue
     try:
         while True:
             inbox.put_nowait(await queue.get())
-    except BrokenChannelError:  # the worker closed its end
-        pass
+    except BrokenChannelError:  # the worker closed its end, or died: tell the learner
+        inbox.put_nowait({"ended": True})
 
 
 async def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -400,6 +400,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
         inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         queues: list[AsyncQueue[dict[str, Any]]] = [AsyncQueue(r) for r in readers]
         reader_tasks = [asyncio.ensure_future(_read_rollouts(q, inbox)) for q in queues]
+        ended = 0  # rollout streams that ended
         try:
             async with scheme:  # version 0 to every worker
                 t_train = rate_mark[0] = time.perf_counter()
@@ -415,6 +416,12 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
                         except asyncio.TimeoutError:
                             done = True
                             break
+                        if "ended" in frag:  # a worker's rollout stream ended: go on with the others
+                            ended += 1
+                            if ended == args.workers:
+                                states = {w.worker_idx: w.reason or w.state for w in scheme.sender.statistics().workers}
+                                raise RuntimeError(f"every rollout worker is gone: {states}")
+                            continue
                         now = time.perf_counter() - t0
                         env_steps += len(frag["actions"])
                         for version, when in frag["applied"]:  # perf_counter is CLOCK_MONOTONIC: one clock for all processes
