@@ -28,6 +28,23 @@ class WorkerStatistics:
         in_flight_version: the version sent and not answered yet (at most one), or None.
         reason: why a worker in state ``"left"`` left, or why the sender cut a ``"dead"``
             worker's channel (a malformed message); else None.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        workers = [loopback_worker(scheme, i) for i in range(2)]
+        for i, worker in enumerate(workers):
+            worker.init_on_receiver(worker_idx=i, model=make_policy())
+        await asyncio.gather(scheme.connect(), *(w.connect() for w in workers))
+        await scheme.send(worker_ids=[0])
+        for w in scheme.statistics().workers:
+            print(w.worker_idx, w.state, w.applied_version, w.lag)
+        # 0 connected 1 0
+        # 1 connected 0 1
+        await scheme.aclose()
+        for worker in workers:
+            await worker.aclose()
     """
 
     worker_idx: int
@@ -56,6 +73,20 @@ class SenderStatistics:
         slots: shared-memory slots now allocated; slot_bytes: bytes of one slot.
         last_copy_ms: time the last send spent copying weights into its slot.
         workers: one :class:`WorkerStatistics` per worker.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await scheme.send()
+        stats = scheme.statistics()            # an immutable snapshot
+        print(stats.version, stats.sends, stats.slots)   # 1 2 2
+        print(stats.worker(0).state, stats.worker(0).lag)  # connected 0
+        await scheme.aclose()
+        await worker.aclose()
     """
 
     version: int
@@ -86,6 +117,20 @@ class ReceiverStatistics:
         last_stage_ms / last_commit_ms: time spent staging / committing the last update.
         callback_errors: exceptions raised by ``on_update`` or ``update_policy_weights_``
             (logged; the receiver goes on); last_callback_error: the newest, as text.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await scheme.send()
+        await scheme.send()
+        stats = worker.statistics()            # on the worker: its own view
+        print(stats.version, stats.updates, stats.rejected)  # 2 3 0
+        await scheme.aclose()
+        await worker.aclose()
     """
 
     worker_idx: int
