@@ -22,7 +22,8 @@ class WorkerStatistics:
         applied_version: newest version it acknowledged as applied (-1: none).
         lag: ``sender.version - applied_version``: how many versions it is behind.
         last_error: the last rejection it reported, or None.
-        stage_ms / commit_ms: its stage and commit time for the last applied version.
+        stage_ms: its stage time for the last applied version.
+        commit_ms: its commit time for the last applied version.
         generation: its connection number (1 for the first process, +1 per replacement);
             ``applied_version``, ``last_error`` and timings belong to this connection.
         in_flight_version: the version sent and not answered yet (at most one), or None.
@@ -70,7 +71,8 @@ class SenderStatistics:
         version: newest version sent (-1 before ``connect``).
         sends: number of sends published.
         bytes_copied: bytes written into shared memory so far.
-        slots: shared-memory slots now allocated; slot_bytes: bytes of one slot.
+        slots: shared-memory slots now allocated.
+        slot_bytes: bytes of one slot.
         last_copy_ms: time the last send spent copying weights into its slot.
         workers: one :class:`WorkerStatistics` per worker.
 
@@ -112,11 +114,14 @@ class ReceiverStatistics:
         worker_idx: this worker's id.
         version: version the model runs now (-1: none yet).
         pending_version: version staged but not committed (manual commit), or None.
-        updates: number of versions applied; skipped: versions skipped (latest wins).
+        updates: number of versions applied.
+        skipped: versions skipped (latest wins).
         rejected: updates rejected (bad payload).
-        last_stage_ms / last_commit_ms: time spent staging / committing the last update.
+        last_stage_ms: time spent staging the last update.
+        last_commit_ms: time spent committing the last update.
         callback_errors: exceptions raised by ``on_update`` or ``update_policy_weights_``
-            (logged; the receiver goes on); last_callback_error: the newest, as text.
+            (logged; the receiver goes on).
+        last_callback_error: the newest of them, as text.
 
     Example::
 
