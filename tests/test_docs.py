@@ -10,7 +10,9 @@ and every one runs:
   Workers are ``loopback_worker``\\ s (receivers in the same event loop, no process);
 - a *script* (it contains ``if __name__ == "__main__":``) runs as ``python example.py`` in a
   temporary directory within ``SCRIPT_TIMEOUT`` seconds: spawned workers must import their
-  function from a file. Each script costs a process start (~2 s here), so there are few.
+  function from a file. A script is mostly process start-up (importing torch, in it and in
+  each worker it spawns), so there are few, they all start together when this module's
+  first test starts (the ``scripts`` fixture), and each test waits for its own.
 
 **Markdown code blocks.** Every ```` ```python ```` block of README.md and docs/*.md is
 compiled (top-level ``await`` allowed) and every module and name it imports must import
