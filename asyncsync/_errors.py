@@ -39,19 +39,73 @@ __all__ = [
 
 
 class AsyncSyncError(Exception):
-    """Base class of every error raised by asyncsync."""
+    """Base class of every error raised by asyncsync.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=0.1)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        try:
+            async with scheme:                 # no worker process was started
+                ...
+        except AsyncSyncError as e:            # anything asyncsync raises
+            print(type(e).__name__)            # SyncTimeoutError
+    """
 
 
 class ClosedError(AsyncSyncError):
-    """The object was closed by its owner (``aclose()`` or ``stop``) and cannot be used."""
+    """The object was closed by its owner (``aclose()`` or ``stop``) and cannot be used.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme()
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        await scheme.aclose()                  # idempotent; using the scheme after it is not
+        try:
+            await scheme.send()
+        except ClosedError as e:
+            print(e)                           # the sender is closed
+    """
 
 
 class WouldBlock(AsyncSyncError):
-    """A ``*_nowait`` call would have had to wait."""
+    """A ``*_nowait`` call would have had to wait.
+
+    Example::
+
+        import multiprocessing as mp
+
+        ours, theirs = mp.get_context("spawn").Pipe()
+        queue = AsyncQueue(ours)
+        try:
+            queue.get_nowait()                 # nothing has arrived yet
+        except WouldBlock:
+            print("nothing yet")
+        theirs.send("hello")
+        print(await queue.get(timeout=5))      # hello
+        await queue.aclose()
+        theirs.close()
+    """
 
 
 class BrokenChannelError(AsyncSyncError):
-    """The other end of a channel went away (process died or closed its end)."""
+    """The other end of a channel went away (process died or closed its end).
+
+    Example::
+
+        import multiprocessing as mp
+
+        ours, theirs = mp.get_context("spawn").Pipe()
+        queue = AsyncQueue(ours)
+        theirs.send("last words")
+        theirs.close()                         # the peer goes away
+        print(await queue.get(timeout=5))      # last words: complete messages still arrive
+        try:
+            await queue.get(timeout=5)
+        except BrokenChannelError:
+            print("peer gone")
+        await queue.aclose()
+    """
 
 
 class WorkerDiedError(BrokenChannelError):
@@ -60,6 +114,25 @@ class WorkerDiedError(BrokenChannelError):
     ``worker_idx`` names the worker, ``exitcode`` is its exit status when known
     (negative: killed by that signal), ``pid`` its process id when known. ``reason`` is
     set when the sender cut the channel itself (the worker sent a malformed message).
+
+    Example::
+
+        import multiprocessing as mp
+        import time
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        # A worker process started by hand (spawn_workers(..., scheme=) does this for you):
+        process = mp.get_context("spawn").Process(target=time.sleep, args=(60,))
+        process.start()
+        scheme.watch_process(0, process)       # its death is noticed through its sentinel
+        process.kill()
+        try:
+            await scheme.connect()
+        except WorkerDiedError as e:
+            print(e.worker_idx, e.exitcode)    # 0 -9
+        await scheme.aclose()
+        process.join()
     """
 
     def __init__(self, worker_idx: int, exitcode: int | None = None, pid: int | None = None, reason: str | None = None) -> None:
@@ -79,6 +152,20 @@ class WorkerLeftError(WorkerDiedError):
     """A worker's receiver ended (``aclose()``, a crash of its task) while its process lives on.
 
     ``reason`` says why; the worker kept its last weights (detached from shared memory).
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await worker.aclose()                  # the worker stops receiving, keeps version 0
+        try:
+            await scheme.send()
+        except WorkerLeftError as e:
+            print(e.worker_idx, e.version, e.reason)   # 0 0 the worker closed its receiver
+        await scheme.aclose()
     """
 
     def __init__(self, worker_idx: int, reason: str, version: int = -1, pid: int | None = None) -> None:
@@ -93,11 +180,45 @@ class WorkerLeftError(WorkerDiedError):
 
 class CapacityError(AsyncSyncError):
     """A send needs a free shared-memory slot, ``max_slots`` allows no more, and no
-    outstanding answer can free one (raise ``max_slots`` or leave it at its default)."""
+    outstanding answer can free one (raise ``max_slots`` or leave it at its default).
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10, max_slots=2)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        workers = [loopback_worker(scheme, i) for i in range(2)]
+        for i, worker in enumerate(workers):
+            worker.init_on_receiver(worker_idx=i, model=make_policy())
+        await asyncio.gather(scheme.connect(), *(w.connect() for w in workers))
+        await scheme.send(worker_ids=[0])      # workers 0 and 1 now live on two slots
+        try:
+            await scheme.send()                # needs a third; no answer could free one
+        except CapacityError as e:
+            print(e)                           # no free shared-memory slot among max_slots=2 ...
+        await scheme.aclose()
+        for worker in workers:
+            await worker.aclose()
+    """
 
 
 class SenderDiedError(BrokenChannelError):
-    """The sender (trainer) went away; the worker keeps its last complete weights."""
+    """The sender (trainer) went away; the worker keeps its last complete weights.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        connecting = asyncio.ensure_future(worker.connect())  # says hello, waits for weights
+        await asyncio.sleep(0)
+        await scheme.aclose()                  # the trainer goes before sending anything
+        try:
+            await connecting                   # (or later: await worker.wait_stopped())
+        except SenderDiedError as e:
+            print(e)                           # worker 0: the sender is gone (...); keeping version -1
+        await worker.aclose()
+    """
 
 
 class ProtocolError(BrokenChannelError):
@@ -105,11 +226,42 @@ class ProtocolError(BrokenChannelError):
 
     The message names the message type and the field. The channel is out of step with its
     peer from then on: the side that gets it closes the channel.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        # Something that is not an asyncsync worker writes on worker 0's channel:
+        scheme.sender.child_endpoints()[0].send_bytes(b"not an asyncsync message")
+        try:
+            await scheme.connect()
+        except WorkerDiedError as e:           # the sender cut that worker off
+            assert isinstance(e.__cause__, ProtocolError)
+            print(e.__cause__)                 # frame: field 'magic': b'no' is not b'AS'
+        await scheme.aclose()
     """
 
 
 class WeightsError(AsyncSyncError, ValueError):
-    """Weights given to the sender do not fit: keys, shapes, dtypes, devices or values."""
+    """Weights given to the sender do not fit: keys, shapes, dtypes, devices or values.
+
+    Raised before anything is sent; the version counter does not move.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        try:
+            await scheme.send({"0.weight": torch.zeros(3, 3)}, partial=True)
+        except WeightsError as e:              # also a ValueError
+            print(e)                           # names the key, the shape sent and the one expected
+        print(scheme.version)                  # 0
+        await scheme.aclose()
+        await worker.aclose()
+    """
 
 
 class WorkerError(AsyncSyncError):
@@ -117,6 +269,23 @@ class WorkerError(AsyncSyncError):
 
     ``worker_idx`` and ``version`` say which worker refused which version;
     ``message`` is the worker's own explanation.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        other = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))  # does not fit
+        worker.init_on_receiver(worker_idx=0, model=other)
+        connecting = asyncio.ensure_future(worker.connect())
+        try:
+            await scheme.connect()
+        except WorkerError as e:
+            print(e.worker_idx, e.version)     # 0 0
+            print(e.message)                   # payload does not fit the model: '0.weight': sent shape (8, 4), model has (16, 4); ...
+        await connecting                       # the worker keeps its own weights and goes on
+        await scheme.aclose()
+        await worker.aclose()
     """
 
     def __init__(self, worker_idx: int, version: int, message: str) -> None:
@@ -134,6 +303,28 @@ class WorkerProcessError(AsyncSyncError):
 
     The original exception, when it could be pickled, is the ``__cause__``;
     ``remote_traceback`` holds the child's formatted traceback.
+
+    Example (a script: spawned workers import their function from it)::
+
+        import asyncio
+
+        from asyncsync import WorkerProcessError, spawn_workers
+
+
+        async def worker(worker_idx: int) -> None:
+            raise ValueError(f"worker {worker_idx}: no such environment")
+
+
+        async def main() -> None:
+            try:
+                async with spawn_workers(worker, 1):
+                    pass
+            except WorkerProcessError as e:
+                print(e.worker_idx, repr(e.__cause__))  # 0 ValueError('worker 0: no such environment')
+
+
+        if __name__ == "__main__":
+            asyncio.run(main())
     """
 
     def __init__(self, worker_idx: int, message: str, remote_traceback: str = "") -> None:
@@ -146,6 +337,16 @@ class SyncTimeoutError(AsyncSyncError, TimeoutError):
     """A wait for acknowledgements ran out of time.
 
     ``pending`` maps each worker that did not answer to the last version it applied.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme()
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        try:
+            await scheme.connect(timeout=0.1)  # no worker process was started
+        except SyncTimeoutError as e:          # also a TimeoutError
+            print(e.pending)                   # {0: -1, 1: -1}
+        await scheme.aclose()
     """
 
     def __init__(self, what: str, pending: Mapping[int, int], timeout: float | None) -> None:

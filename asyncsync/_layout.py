@@ -20,7 +20,15 @@ _ALIGN = 64
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Where one tensor lives: its key, shape, dtype and byte offset in the buffer."""
+    """Where one tensor lives: its key, shape, dtype and byte offset in the buffer.
+
+    Example::
+
+        layout = Layout.from_tensors({"w": torch.zeros(3, 4), "steps": torch.zeros((), dtype=torch.int64)})
+        w, steps = layout.specs
+        print(w)                               # TensorSpec(key='w', shape=(3, 4), dtype=torch.float32, offset=0, numel=12)
+        print(w.nbytes, steps.offset)          # 48 64: each dtype's bucket is 64-byte aligned
+    """
 
     key: str
     shape: tuple[int, ...]
@@ -59,6 +67,15 @@ class Layout:  # not slots: cached_property needs the instance dict
     *aliases* holds ``(alias, canonical)`` pairs: names of tensors tied to another key
     (``head.weight`` tied to ``emb.weight``). An alias gets no bytes; it travels as its
     canonical key. ``specs``, ``keys`` and ``index`` hold canonical keys only.
+
+    Example::
+
+        policy = make_policy()
+        layout = Layout.from_tensors(policy.state_dict())
+        print(layout.keys)                     # ['0.weight', '0.bias', '2.weight', '2.bias']
+        print(layout.nbytes)                   # 256: 58 float32 values, padded to 64 bytes
+        wire = Layout.from_tensors(policy.state_dict(), {torch.float32: torch.bfloat16})
+        print(wire.nbytes)                     # 128: what transfer_dtype=torch.bfloat16 sends
     """
 
     specs: tuple[TensorSpec, ...]

@@ -35,6 +35,22 @@ def loopback_worker(scheme: MultiProcessWeightSyncScheme, worker_idx: int) -> Mu
 
     Call ``init_on_receiver(worker_idx=worker_idx, ...)`` on it, as a worker process would.
     After a worker left or died, call it again for a replacement on the new channel.
+
+    Example::
+
+        policy = make_policy()
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=policy, num_workers=1)
+        local = make_policy()
+        worker = loopback_worker(scheme, 0)    # worker 0's side, in this event loop
+        worker.init_on_receiver(worker_idx=0, model=local, on_update=lambda weights, version: print("applied", version))
+        await asyncio.gather(scheme.connect(), worker.connect())   # applied 0
+        with torch.no_grad():
+            policy[0].bias.fill_(1.0)          # a training step
+        await scheme.send()                    # applied 1
+        print(local[0].bias.tolist())          # [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+        await scheme.aclose()
+        await worker.aclose()
     """
     ends = scheme.sender.child_endpoints()
     if worker_idx not in ends:

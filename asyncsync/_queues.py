@@ -120,10 +120,16 @@ class AsyncQueue(Generic[T]):
 
     Example::
 
-        q = AsyncQueue(conn, max_buffer=1 << 20)
-        await q.put(("hello", 1))          # waits while 1 MiB is still unwritten
-        msg = await q.get(timeout=5)
-        await q.aclose()                   # flushes (bounded), then closes
+        import multiprocessing as mp
+
+        a, b = mp.get_context("spawn").Pipe()  # one end would go to another process
+        trainer, worker = AsyncQueue(a, max_buffer=1 << 20), AsyncQueue(b)
+        await trainer.put(("hello", 1))        # waits while 1 MiB is still unwritten
+        print(await worker.get(timeout=5))     # ('hello', 1)
+        worker.put_bytes_nowait(b"ack")        # raw bytes, never pickled
+        print(await trainer.get_bytes(timeout=5))  # b'ack'
+        await trainer.aclose()                 # flushes (bounded), then closes
+        await worker.aclose()
     """
 
     def __init__(self, endpoint: Connection | _MPQueue[Any], *, max_buffer: int = DEFAULT_MAX_BUFFER) -> None:

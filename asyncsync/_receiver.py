@@ -50,7 +50,27 @@ OnUpdate = Callable[[Any, int], "Awaitable[None] | None"]
 
 
 class Receiver:
-    """Worker side of a scheme; created by ``init_on_receiver``."""
+    """Worker side of a scheme; created by ``init_on_receiver``.
+
+    Example (``commit_mode="manual"``: the worker switches versions where it chooses)::
+
+        scheme = MultiProcessWeightSyncScheme(commit_mode="manual", timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        receiver = worker.receiver             # the worker side
+        connecting = asyncio.gather(scheme.connect(), receiver.connect())
+        await receiver.wait_for_version(0)     # version 0 is staged ...
+        receiver.commit()                      # ... and committed here
+        await connecting
+        version = await scheme.send_async()
+        await receiver.wait_for_version(version)
+        print(receiver.version, receiver.update_pending)  # 0 True: staged, not running yet
+        print(receiver.commit())               # 1: e.g. between two episodes
+        await scheme.wait_async(version)
+        await scheme.aclose()
+        await worker.aclose()
+    """
 
     def __init__(
         self,

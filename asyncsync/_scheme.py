@@ -75,6 +75,27 @@ class MultiProcessWeightSyncScheme:
         check_finite: reject weights holding NaN or inf before sending.
         transfer_dtype: send floating-point tensors in this dtype (e.g. ``torch.bfloat16``
             halves the bytes); workers cast back to their model's dtype while staging.
+
+    Example::
+
+        policy = make_policy()
+        scheme = MultiProcessWeightSyncScheme(strategy="tensordict", timeout=10)
+        scheme.init_on_sender(model=policy, num_workers=2)
+        # Each worker process does this with the scheme it was given (here: loopbacks).
+        workers = [loopback_worker(scheme, i) for i in range(2)]
+        for i, worker in enumerate(workers):
+            worker.init_on_receiver(worker_idx=i, model=make_policy())
+        joining = [asyncio.ensure_future(w.connect()) for w in workers]
+        async with scheme:                     # connect(): version 0 to both workers
+            await asyncio.gather(*joining)
+            with torch.no_grad():
+                policy[0].weight.add_(0.1)     # a training step
+            print(await scheme.send())         # 1: both workers applied it
+            version = await scheme.send_async()  # returns once the snapshot is taken
+            await scheme.wait_async(version)   # ... and now both applied it
+            print(scheme.version, [w.version for w in workers])  # 2 [2, 2]
+        for worker in workers:
+            await worker.aclose()
     """
 
     def __init__(

@@ -106,7 +106,25 @@ class ModelRef:
 
 
 class Sender:
-    """Pushes weights to a fixed set of workers; created by ``init_on_sender``."""
+    """Pushes weights to a fixed set of workers; created by ``init_on_sender``.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        sender = scheme.sender                 # the trainer side
+        workers = [loopback_worker(scheme, i) for i in range(2)]
+        for i, worker in enumerate(workers):
+            worker.init_on_receiver(worker_idx=i, model=make_policy())
+        await asyncio.gather(sender.connect(), *(w.connect() for w in workers))
+        version = await sender.send_async()
+        await sender.wait_async(version, quorum=1)  # the first worker to apply it
+        await sender.wait_async(version)       # every worker
+        print(sender.applied_versions())       # {0: 1, 1: 1}
+        await sender.aclose()
+        for worker in workers:
+            await worker.aclose()
+    """
 
     def __init__(
         self,

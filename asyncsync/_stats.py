@@ -22,12 +22,30 @@ class WorkerStatistics:
         applied_version: newest version it acknowledged as applied (-1: none).
         lag: ``sender.version - applied_version``: how many versions it is behind.
         last_error: the last rejection it reported, or None.
-        stage_ms / commit_ms: its stage and commit time for the last applied version.
+        stage_ms: its stage time for the last applied version.
+        commit_ms: its commit time for the last applied version.
         generation: its connection number (1 for the first process, +1 per replacement);
             ``applied_version``, ``last_error`` and timings belong to this connection.
         in_flight_version: the version sent and not answered yet (at most one), or None.
         reason: why a worker in state ``"left"`` left, or why the sender cut a ``"dead"``
             worker's channel (a malformed message); else None.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        workers = [loopback_worker(scheme, i) for i in range(2)]
+        for i, worker in enumerate(workers):
+            worker.init_on_receiver(worker_idx=i, model=make_policy())
+        await asyncio.gather(scheme.connect(), *(w.connect() for w in workers))
+        await scheme.send(worker_ids=[0])
+        for w in scheme.statistics().workers:
+            print(w.worker_idx, w.state, w.applied_version, w.lag)
+        # 0 connected 1 0
+        # 1 connected 0 1
+        await scheme.aclose()
+        for worker in workers:
+            await worker.aclose()
     """
 
     worker_idx: int
@@ -53,9 +71,24 @@ class SenderStatistics:
         version: newest version sent (-1 before ``connect``).
         sends: number of sends published.
         bytes_copied: bytes written into shared memory so far.
-        slots: shared-memory slots now allocated; slot_bytes: bytes of one slot.
+        slots: shared-memory slots now allocated.
+        slot_bytes: bytes of one slot.
         last_copy_ms: time the last send spent copying weights into its slot.
         workers: one :class:`WorkerStatistics` per worker.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await scheme.send()
+        stats = scheme.statistics()            # an immutable snapshot
+        print(stats.version, stats.sends, stats.slots)   # 1 2 2
+        print(stats.worker(0).state, stats.worker(0).lag)  # connected 0
+        await scheme.aclose()
+        await worker.aclose()
     """
 
     version: int
@@ -81,11 +114,28 @@ class ReceiverStatistics:
         worker_idx: this worker's id.
         version: version the model runs now (-1: none yet).
         pending_version: version staged but not committed (manual commit), or None.
-        updates: number of versions applied; skipped: versions skipped (latest wins).
+        updates: number of versions applied.
+        skipped: versions skipped (latest wins).
         rejected: updates rejected (bad payload).
-        last_stage_ms / last_commit_ms: time spent staging / committing the last update.
+        last_stage_ms: time spent staging the last update.
+        last_commit_ms: time spent committing the last update.
         callback_errors: exceptions raised by ``on_update`` or ``update_policy_weights_``
-            (logged; the receiver goes on); last_callback_error: the newest, as text.
+            (logged; the receiver goes on).
+        last_callback_error: the newest of them, as text.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await scheme.send()
+        await scheme.send()
+        stats = worker.statistics()            # on the worker: its own view
+        print(stats.version, stats.updates, stats.rejected)  # 2 3 0
+        await scheme.aclose()
+        await worker.aclose()
     """
 
     worker_idx: int

@@ -106,7 +106,42 @@ def _report(conn: Any, message: tuple[Any, ...], fallback: tuple[Any, ...]) -> N
 
 
 class WorkerGroup:
-    """N spawned processes each running ``await fn(worker_idx, *args, **kwargs)``."""
+    """N spawned processes each running ``await fn(worker_idx, *args, **kwargs)``.
+
+    Example (a script; replacing a worker that was killed)::
+
+        import asyncio
+
+        import torch
+        from torch import nn
+
+        from asyncsync import MultiProcessWeightSyncScheme, spawn_workers
+
+
+        async def worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+            scheme.init_on_receiver(worker_idx=worker_idx, model=nn.Linear(4, 2))
+            async with scheme:                 # the receiver task runs in this loop
+                await scheme.wait_stopped()    # until the trainer closes the scheme
+            return scheme.version
+
+
+        async def main() -> None:
+            policy = nn.Linear(4, 2)
+            scheme = MultiProcessWeightSyncScheme(timeout=30, on_worker_error="skip")
+            scheme.init_on_sender(model=policy, num_workers=2)
+            async with spawn_workers(worker, 2, args=(scheme,), scheme=scheme) as group:
+                async with scheme:
+                    group.kill(1)              # SIGKILL, e.g. a fault-injection test
+                    await scheme.send()        # "skip": worker 0 gets version 1
+                    await group.restart(1)     # a new process; it applied version 1
+                    await scheme.send()        # both get version 2
+                results = await group.join()
+            print(results)                     # {0: 2, 1: 2}
+
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+    """
 
     def __init__(
         self,
@@ -308,6 +343,31 @@ def spawn_workers(
     worker's death is noticed at once through its process sentinel. If the parent dies,
     each worker's function gets *orphan_grace* seconds to end (a scheme's receiver raises
     :class:`SenderDiedError` at once), then it is cancelled and the process exits.
+
+    Example (a script: spawned workers import their function from it)::
+
+        import asyncio, torch
+        from asyncsync import MultiProcessWeightSyncScheme, spawn_workers
+
+        async def worker(worker_idx, scheme):
+            scheme.init_on_receiver(worker_idx=worker_idx, model=torch.nn.Linear(4, 2))
+            async with scheme:                 # a receiver task in this process's event loop
+                await scheme.wait_stopped()    # ...or serve requests: updates land between awaits
+            return scheme.version
+
+        async def main():
+            policy = torch.nn.Linear(4, 2)
+            scheme = MultiProcessWeightSyncScheme(strategy="tensordict", sync=True)
+            scheme.init_on_sender(model=policy, num_workers=2)
+            async with spawn_workers(worker, 2, args=(scheme,), scheme=scheme) as workers:
+                async with scheme:             # initial weights to every worker
+                    for step in range(10):
+                        policy.weight.data.add_(0.01)  # stands in for a training step
+                        await scheme.send()    # returns once both workers applied this version
+            print(workers.results)             # {0: 10, 1: 10}
+
+        if __name__ == "__main__":
+            asyncio.run(main())
     """
     return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout, daemon=daemon, orphan_grace=orphan_grace)
 

@@ -1,0 +1,373 @@
+"""The documentation runs: every public name's ``Example::`` and the README's and docs' code blocks.
+
+**Docstring examples.** Every name in ``asyncsync.__all__`` must have an ``Example::`` block
+(a line starting ``Example`` and ending ``::``, then an indented block) in its docstring,
+and every one runs:
+
+- a *snippet* (top-level ``await`` allowed) runs in this process, in a fresh event loop,
+  within ``SNIPPET_TIMEOUT`` seconds, in a namespace holding the ``PREAMBLE`` below:
+  ``asyncio``, ``torch``, ``nn``, every name of ``asyncsync.__all__`` and ``make_policy()``.
+  Workers are ``loopback_worker``\\ s (receivers in the same event loop, no process);
+- a *script* (it contains ``if __name__ == "__main__":``) runs as ``python example.py`` in a
+  temporary directory within ``SCRIPT_TIMEOUT`` seconds: spawned workers must import their
+  function from a file. A script is mostly process start-up (importing torch, in it and in
+  each worker it spawns), so there are few, they all start together when this module's
+  first test starts (the ``scripts`` fixture), and each test waits for its own.
+
+**Markdown code blocks.** Every ```` ```python ```` block of README.md and docs/*.md is
+compiled (top-level ``await`` allowed) and every module and name it imports must import
+(``from asyncsync import X`` must resolve). A *self-contained* block, whose names are all
+defined in it or builtins, runs: as a script if it has a ``__main__`` guard (such a block
+needs no other name), else as a snippet, in the ``PREAMBLE`` namespace, so a block that
+only needs ``make_policy`` or an asyncsync name also runs. Any other name a block uses must
+be a public asyncsync name or one of the ``PLACEHOLDERS`` (``policy``, ``train_step``, ...)
+that the docs leave to the reader: a renamed API shows up here as an unknown name.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import builtins
+import hashlib
+import importlib
+import inspect
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import asyncsync
+
+ROOT = Path(__file__).resolve().parent.parent
+SNIPPET_TIMEOUT = 20.0
+SCRIPT_TIMEOUT = 120.0  # mostly process start-up: importing torch takes seconds, more on a loaded machine
+
+PREAMBLE = '''
+import asyncio
+
+import torch
+from torch import nn
+
+from asyncsync import *
+
+
+def make_policy() -> nn.Module:
+    """A tiny policy: the same architecture in the trainer and in every worker."""
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+'''
+
+# Names the docs' fragments use without defining them: the reader's own objects.
+PLACEHOLDERS = frozenset(
+    {
+        # the reader's objects
+        "ctx",  # a multiprocessing context
+        "env",
+        "fn",  # a worker function
+        "i",
+        "local_policy",
+        "make_model",
+        "make_policy",
+        "mp",  # import multiprocessing as mp
+        "num_workers",
+        "optim",
+        "policy",
+        "scheme",
+        "td",  # a TensorDict
+        "train_step",
+        "worker",
+        "worker_idx",
+        # defined in another block of the same page
+        "env_server",
+        "rollout_worker",
+    }
+)
+
+
+_EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Example\b[^\n]*::[ \t]*$", re.MULTILINE)
+
+
+def example_of(obj: Any) -> str | None:
+    """The code of the first ``Example::`` block of *obj*'s own docstring, dedented; None if it has none."""
+    doc = obj.__dict__.get("__doc__") if isinstance(obj, type) else getattr(obj, "__doc__", None)
+    if not doc:
+        return None
+    doc = inspect.cleandoc(doc)
+    m = _EXAMPLE.search(doc)
+    if m is None:
+        return None
+    base = len(m.group("indent"))
+    lines: list[str] = []
+    for line in doc[m.end() :].splitlines()[1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= base:
+            break  # the text after the block
+        lines.append(line)
+    code = textwrap.dedent("\n".join(lines)).strip("\n")
+    return code + "\n" if code else None
+
+
+def is_script(code: str) -> bool:
+    return re.search(r"^if __name__ == [\"']__main__[\"']:", code, re.MULTILINE) is not None
+
+
+def compile_block(code: str, where: str) -> Any:
+    return compile(code, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+
+
+def run_snippet(code: str, where: str, namespace: dict[str, Any]) -> None:
+    """Run *code* (top-level ``await`` allowed) in *namespace*, in a fresh event loop, bounded."""
+    compiled = compile_block(code, where)
+
+    async def main() -> None:
+        result = eval(compiled, namespace)
+        if inspect.iscoroutine(result):
+            await result
+
+    async def bounded() -> None:
+        await asyncio.wait_for(main(), SNIPPET_TIMEOUT)
+
+    asyncio.run(bounded())
+
+
+class Scripts:
+    """The script examples, started together in the background (each is mostly process
+    start-up, importing torch), each awaited by its own test."""
+
+    def __init__(self, codes: list[str]) -> None:
+        self.codes = list(dict.fromkeys(codes))
+        self.tmp = tempfile.TemporaryDirectory(prefix="asyncsync-examples-")
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        for code in self.codes:
+            self._launch(code)
+
+    def _path(self, code: str) -> Path:
+        return Path(self.tmp.name) / f"example_{hashlib.sha1(code.encode()).hexdigest()[:10]}.py"
+
+    def _launch(self, code: str) -> None:
+        path = self._path(code)
+        path.write_text(code)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        with path.with_suffix(".out").open("w") as out, path.with_suffix(".err").open("w") as err:
+            self.procs[code] = subprocess.Popen(
+                [sys.executable, str(path)], cwd=self.tmp.name, env=env, stdout=out, stderr=err, start_new_session=True
+            )
+
+    def run(self, code: str) -> str:
+        """Wait for *code*'s process (started with the others, or now if it is new); return its stdout."""
+        if code not in self.procs:
+            self._launch(code)
+        proc = self.procs[code]
+        try:
+            proc.wait(timeout=SCRIPT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+        path = self._path(code)
+        stdout, stderr = path.with_suffix(".out").read_text(), path.with_suffix(".err").read_text()
+        assert proc.returncode == 0, (
+            f"example script exited with {proc.returncode} (-9: ran past {SCRIPT_TIMEOUT}s):\n{code}\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}"
+        )
+        return stdout
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL the script and the workers it spawned (its own session)."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def background_pids(self) -> set[int]:
+        """The scripts still running and their children."""
+        pids: set[int] = set()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    root = psutil.Process(proc.pid)
+                    pids |= {proc.pid, *(c.pid for c in root.children(recursive=True))}
+                except psutil.NoSuchProcess:
+                    pass
+        return pids
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:  # deselected, or its test failed early
+                self._kill(proc)
+        self.tmp.cleanup()
+
+
+def preamble_namespace() -> dict[str, Any]:
+    namespace: dict[str, Any] = {"__name__": "asyncsync_example"}
+    exec(compile(PREAMBLE, "<preamble>", "exec"), namespace)
+    return namespace
+
+
+# ---------------------------------------------------------------- docstring examples
+
+
+def script_codes() -> list[str]:
+    """Every script example: from the docstrings, and the self-contained markdown blocks."""
+    codes = [c for c in (example_of(getattr(asyncsync, n)) for n in sorted(asyncsync.__all__)) if c and is_script(c)]
+    codes += [c for _, c in BLOCKS if is_script(c) and not undefined_names(c)]
+    return codes
+
+
+@pytest.fixture(scope="module")
+def scripts() -> Iterator[Scripts]:
+    runner = Scripts(script_codes())
+    runner.start()
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_children(scripts: Scripts) -> Iterator[None]:
+    """conftest's check that a test leaves no child process, minus the example scripts
+    running in the background (each is waited for by its own test, the rest killed at the end)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    now = psutil.Process().children(recursive=True)
+    background = scripts.background_pids()
+    left = [
+        p
+        for p in now
+        if p.pid not in before
+        and p.pid not in background
+        and p.is_running()
+        and p.status() != psutil.STATUS_ZOMBIE
+        and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert not left, f"child processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+@pytest.mark.parametrize("name", sorted(asyncsync.__all__))
+def test_public_name_has_an_example_that_runs(name: str, scripts: Scripts) -> None:
+    obj = getattr(asyncsync, name)
+    code = example_of(obj)
+    assert code is not None, f"asyncsync.{name} has no `Example::` block in its docstring"
+    where = f"<example of asyncsync.{name}>"
+    if is_script(code):
+        scripts.run(code)
+    else:
+        run_snippet(code, where, preamble_namespace())
+
+
+def test_examples_are_found_and_classified() -> None:
+    class Documented:
+        """Text.
+
+        Example (a detail)::
+
+            x = 1
+
+            print(x)
+
+        More text.
+        """
+
+    assert example_of(Documented) == "x = 1\n\nprint(x)\n"
+    assert example_of(lambda: None) is None
+    assert is_script('def f():\n    pass\n\nif __name__ == "__main__":\n    f()\n')
+    assert not is_script("await asyncio.sleep(0)\n")
+
+
+# ---------------------------------------------------------------- markdown code blocks
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def markdown_blocks() -> list[tuple[str, str]]:
+    """``(id, code)`` of every ```` ```python ```` block of README.md and docs/*.md."""
+    blocks = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        for m in _FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            code = textwrap.dedent(m.group("code"))
+            blocks.append((f"{path.relative_to(ROOT)}:{line}", code))
+    return blocks
+
+
+def undefined_names(code: str) -> set[str]:
+    """Names *code* reads that it never binds anywhere (scopes merged) and that are no builtins."""
+    tree = ast.parse(code)
+    bound: set[str] = set()
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                bound.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return used - bound - set(dir(builtins))
+
+
+def check_imports(code: str, where: str) -> None:
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if alias.name == "*" or hasattr(module, alias.name):
+                    continue
+                try:
+                    importlib.import_module(f"{node.module}.{alias.name}")
+                except ImportError:
+                    raise AssertionError(f"{where}: `from {node.module} import {alias.name}`: no such name") from None
+
+
+BLOCKS = markdown_blocks()
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
+@pytest.mark.parametrize(("where", "code"), BLOCKS, ids=[w for w, _ in BLOCKS])
+def test_markdown_code_block_is_current(where: str, code: str, scripts: Scripts) -> None:
+    compile_block(code, where)
+    check_imports(code, where)
+    unknown = undefined_names(code)
+    if is_script(code) and not unknown:
+        scripts.run(code)
+        return
+    namespace = preamble_namespace()
+    if not is_script(code) and unknown <= namespace.keys():
+        run_snippet(code, where, namespace)
+        return
+    stale = unknown - PLACEHOLDERS - set(asyncsync.__all__)
+    assert not stale, (
+        f"{where} uses {sorted(stale)}: not public asyncsync names; import them, define them, or add them to PLACEHOLDERS"
+    )
+
+
+def test_markdown_blocks_are_found() -> None:
+    wheres = [w for w, _ in BLOCKS]
+    assert any(w.startswith("README.md:") for w in wheres)
+    assert undefined_names("import os\nx = os.getpid()\nprint(y)\n") == {"y"}
+
+
+def test_reference_lists_every_public_name() -> None:
+    listed = re.findall(r"^::: asyncsync\.(\w+)$", (ROOT / "docs" / "reference.md").read_text(), re.MULTILINE)
+    assert sorted(listed) == sorted(asyncsync.__all__), (
+        "docs/reference.md needs one `::: asyncsync.Name` per name of asyncsync.__all__"
+    )
