@@ -75,6 +75,7 @@ PLACEHOLDERS = frozenset(
         "fn",  # a worker function
         "i",
         "local_policy",
+        "main",  # the reader's own coroutine
         "make_model",
         "make_policy",
         "mp",  # import multiprocessing as mp
