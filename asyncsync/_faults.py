@@ -47,6 +47,11 @@ class FaultHook:
         if "refusal" in command:
             self.refusal = command["refusal"]
 
+    @property
+    def idle(self) -> bool:
+        """True while no fault is in force: the receiver takes its usual (callback) path."""
+        return self.refusal is None and self._open.is_set()
+
     async def before_apply(self, version: int) -> str | None:
         """Called by the receiver before it stages *version*; a string refuses it with that message."""
         await self._open.wait()

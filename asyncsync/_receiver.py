@@ -306,7 +306,7 @@ class Receiver:
 
         def on_frame(data: bytes) -> bool:
             msg = decode(data)
-            if type(msg) is Receive and self._faults is None and self._receive_now(msg, 0):
+            if type(msg) is Receive and (self._faults is None or self._faults.idle) and self._receive_now(msg, 0):
                 return True
             waiter.set_result(msg)
             return False
@@ -385,7 +385,7 @@ class Receiver:
         return self._stager
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
-        if self._faults is None and self._receive_now(msg, skipped):
+        if (self._faults is None or self._faults.idle) and self._receive_now(msg, skipped):
             return
         refusal = await self._faults.before_apply(msg.version) if self._faults is not None else None
         seg = self._segments.get(msg.slot)
@@ -419,7 +419,7 @@ class Receiver:
 
     def _receive_now(self, msg: Receive, skipped: int) -> bool:
         """Handle *msg* without awaiting if it can be (a refusal, or weights read straight
-        from the slot); False if it needs staging first. Never with a fault hook (it awaits)."""
+        from the slot); False if it needs staging first. Not while a test's fault is in force (it awaits)."""
         seg = self._segments.get(msg.slot)
         refusal = self._refusal(msg, seg)
         if refusal is not None:

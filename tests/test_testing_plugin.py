@@ -85,6 +85,7 @@ async def test_a_rejected_loopback_payload_raises_and_the_worker_keeps_its_weigh
             with pytest.raises(WorkerError) as info:
                 await scheme.send()
             assert (info.value.worker_idx, info.value.version, info.value.message) == (1, 1, "corrupt payload")
+            await scheme.wait_async(version=1, worker_ids=[0])  # the error may come before worker 0's ack
             assert values(lb.models[0]) == {1.0}
             assert all(torch.equal(t, initial[k]) for k, t in lb.models[1].state_dict().items())
             assert lb.workers[1].statistics().rejected == 1
@@ -113,6 +114,7 @@ async def test_process_faults_reject_delay_kill_and_a_replacement_takes_them_too
                 with pytest.raises(WorkerError) as info:
                     await scheme.send()
                 assert (info.value.worker_idx, info.value.version, info.value.message) == (1, 1, "corrupt payload")
+                await scheme.wait_async(version=1, worker_ids=[0])  # the error may come before worker 0's ack
                 assert scheme.sender.applied_versions() == {0: 1, 1: 0}  # worker 1 kept version 0
             async with workers.faults.delay_acks(0):
                 with pytest.raises(SyncTimeoutError) as timed_out:
