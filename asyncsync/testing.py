@@ -72,13 +72,27 @@ class Faults:
 
     Example::
 
-        await workers.faults.kill(1)               # the sender raises WorkerDiedError(1, ...)
-        async with workers.faults.delay_acks(0):   # worker 0 answers nothing until the block ends
-            with pytest.raises(SyncTimeoutError):
-                await scheme.send(timeout=0.5)
-        async with workers.faults.reject(0, "corrupt"):
-            with pytest.raises(WorkerError):       # worker 0 keeps its weights
+        from asyncsync.testing import open_loopback
+
+        policy = make_policy()
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=policy, num_workers=2)
+        async with open_loopback(scheme, make_policy) as workers:
+            async with workers.faults.delay_acks(0):      # worker 0 answers nothing until the block ends
+                try:
+                    await scheme.send(timeout=0.2)
+                except SyncTimeoutError as exc:
+                    print(exc.pending)                     # {0: 0}
+            async with workers.faults.reject(1, "corrupt"):
+                try:
+                    await scheme.send()
+                except WorkerError as exc:                 # worker 1 keeps its weights
+                    print(exc.worker_idx, exc.message)     # 1 corrupt
+            await workers.faults.kill(1)
+            try:
                 await scheme.send()
+            except WorkerDiedError as exc:
+                print(exc.worker_idx)                      # 1
     """
 
     timeout: float = 30.0
@@ -248,6 +262,18 @@ class LoopbackWorkers:
             ``commit``, ``statistics()``...
         models: ``{worker_idx: the worker's model}``.
         faults: :class:`Faults` for these workers.
+
+    Example::
+
+        from asyncsync.testing import open_loopback
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        async with open_loopback(scheme, make_policy) as lb:   # a LoopbackWorkers
+            await lb.faults.kill(1)
+            await lb.restart(1)            # a fresh worker 1, on a new channel, gets the latest weights
+            await scheme.send()
+            print({i: w.version for i, w in lb.workers.items()})   # {0: 1, 1: 1}
     """
 
     def __init__(
@@ -340,10 +366,14 @@ def open_loopback(
 
     Example::
 
+        from asyncsync.testing import open_loopback
+
+        policy = make_policy()
         scheme = MultiProcessWeightSyncScheme(timeout=10)
         scheme.init_on_sender(model=policy, num_workers=2)
         async with open_loopback(scheme, make_policy) as lb:
-            fill_(policy, 1.0)
+            with torch.no_grad():
+                policy[0].weight.fill_(1.0)
             await scheme.send()
             assert lb.workers[0].version == 1
             assert torch.equal(lb.models[1][0].weight, policy[0].weight)
@@ -362,6 +392,46 @@ class ProcessWorkers(WorkerGroup):
     A worker killed by :meth:`Faults.kill` (or :meth:`kill`) and not restarted is expected
     to be dead: :meth:`join` (and a normal exit of the block) reports the others and leaves
     it out of ``results``. Build one with :func:`open_workers`.
+
+    Example::
+
+        import asyncio
+
+        import torch
+        from torch import nn
+
+        from asyncsync import MultiProcessWeightSyncScheme, WorkerDiedError
+        from asyncsync.testing import open_workers
+
+
+        def make_policy() -> nn.Module:
+            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+        async def my_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+            scheme.init_on_receiver(worker_idx=worker_idx, model=make_policy())
+            async with scheme:
+                await scheme.wait_stopped()
+            return scheme.version
+
+
+        async def main() -> None:
+            scheme = MultiProcessWeightSyncScheme(timeout=30)
+            scheme.init_on_sender(model=make_policy(), num_workers=2)
+            async with open_workers(my_worker, 2, args=(scheme,), scheme=scheme) as workers:
+                async with scheme:
+                    await workers.faults.kill(1)
+                    try:
+                        await scheme.send()
+                    except WorkerDiedError as exc:
+                        print("worker", exc.worker_idx, "died")   # worker 1 died
+                    await workers.restart(1)                     # a replacement gets version 0
+                    await scheme.send()
+            print(workers.results)                               # {0: 1, 1: 1}
+
+
+        if __name__ == "__main__":
+            asyncio.run(main())
     """
 
     def __init__(
@@ -429,13 +499,43 @@ def open_workers(
 
     Example::
 
-        scheme = MultiProcessWeightSyncScheme(timeout=30)
-        scheme.init_on_sender(model=policy, num_workers=2)
-        async with open_workers(my_worker, 2, args=(scheme,), scheme=scheme) as workers:
+        import asyncio
+
+        import torch
+        from torch import nn
+
+        from asyncsync import MultiProcessWeightSyncScheme, WorkerDiedError
+        from asyncsync.testing import open_workers
+
+
+        def make_policy() -> nn.Module:
+            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+        async def my_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+            scheme.init_on_receiver(worker_idx=worker_idx, model=make_policy())
             async with scheme:
-                await workers.faults.kill(1)
-                with pytest.raises(WorkerDiedError, match="worker 1"):
+                await scheme.wait_stopped()
+            return scheme.version
+
+
+        async def main() -> None:
+            scheme = MultiProcessWeightSyncScheme(timeout=30)
+            scheme.init_on_sender(model=make_policy(), num_workers=2)
+            async with open_workers(my_worker, 2, args=(scheme,), scheme=scheme) as workers:
+                async with scheme:
+                    await workers.faults.kill(1)
+                    try:
+                        await scheme.send()
+                    except WorkerDiedError as exc:
+                        print("worker", exc.worker_idx, "died")   # worker 1 died
+                    await workers.restart(1)                     # a replacement gets version 0
                     await scheme.send()
+            print(workers.results)                               # {0: 1, 1: 1}
+
+
+        if __name__ == "__main__":
+            asyncio.run(main())
     """
     return ProcessWorkers(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout)
 
@@ -444,7 +544,22 @@ def open_workers(
 
 
 class LeakError(AssertionError):
-    """Child processes or file descriptors outlived the block that created them."""
+    """Child processes or file descriptors outlived the block that created them.
+
+    Example::
+
+        import os
+
+        from asyncsync.testing import LeakError, no_leaks
+
+        try:
+            with no_leaks():
+                r, w = os.pipe()          # never closed
+        except LeakError as exc:
+            print(exc)                    # names both descriptors
+            os.close(r)
+            os.close(w)
+    """
 
 
 @contextmanager
@@ -465,8 +580,13 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
 
     Example::
 
-        with no_leaks():
-            asyncio.run(main())
+        from asyncsync.testing import no_leaks, open_loopback
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        with no_leaks():   # raises LeakError on exit if a child process or a descriptor is left
+            async with open_loopback(scheme, make_policy):
+                await scheme.send()
     """
     resource_tracker.ensure_running()  # started once per interpreter, and kept: not a leak
     children0 = set(_descendants())

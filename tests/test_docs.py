@@ -1,6 +1,6 @@
 """The documentation runs: every public name's ``Example::`` and the README's and docs' code blocks.
 
-**Docstring examples.** Every name in ``asyncsync.__all__`` must have an ``Example::`` block
+**Docstring examples.** Every name in ``asyncsync.__all__`` and ``asyncsync.testing.__all__`` must have an ``Example::`` block
 (a line starting ``Example`` and ending ``::``, then an indented block) in its docstring,
 and every one runs:
 
@@ -47,6 +47,13 @@ import psutil
 import pytest
 
 import asyncsync
+import asyncsync.testing
+
+# Every public name: the package's, and its testing module's (imported explicitly by users).
+PUBLIC: dict[str, Any] = {
+    **{f"asyncsync.{n}": getattr(asyncsync, n) for n in asyncsync.__all__},
+    **{f"asyncsync.testing.{n}": getattr(asyncsync.testing, n) for n in asyncsync.testing.__all__},
+}
 
 ROOT = Path(__file__).resolve().parent.parent
 SNIPPET_TIMEOUT = 20.0
@@ -219,7 +226,7 @@ def preamble_namespace() -> dict[str, Any]:
 
 def script_codes() -> list[str]:
     """Every script example: from the docstrings, and the self-contained markdown blocks."""
-    codes = [c for c in (example_of(getattr(asyncsync, n)) for n in sorted(asyncsync.__all__)) if c and is_script(c)]
+    codes = list(dict.fromkeys(c for c in (example_of(obj) for obj in PUBLIC.values()) if c and is_script(c)))
     codes += [c for _, c in BLOCKS if is_script(c) and not undefined_names(c)]
     return codes
 
@@ -255,12 +262,11 @@ def _no_leaked_children(scripts: Scripts) -> Iterator[None]:
 
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 30)
-@pytest.mark.parametrize("name", sorted(asyncsync.__all__))
+@pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_public_name_has_an_example_that_runs(name: str, scripts: Scripts) -> None:
-    obj = getattr(asyncsync, name)
-    code = example_of(obj)
-    assert code is not None, f"asyncsync.{name} has no `Example::` block in its docstring"
-    where = f"<example of asyncsync.{name}>"
+    code = example_of(PUBLIC[name])
+    assert code is not None, f"{name} has no `Example::` block in its docstring"
+    where = f"<example of {name}>"
     if is_script(code):
         scripts.run(code)
     else:
