@@ -391,47 +391,20 @@ class ProcessWorkers(WorkerGroup):
     :func:`~asyncsync.spawn_workers`, with :attr:`faults` reaching the receivers it creates.
     A worker killed by :meth:`Faults.kill` (or :meth:`kill`) and not restarted is expected
     to be dead: :meth:`join` (and a normal exit of the block) reports the others and leaves
-    it out of ``results``. Build one with :func:`open_workers`.
+    it out of ``results``. Build one with :func:`open_workers` (whose example spawns some).
 
     Example::
 
-        import asyncio
+        from asyncsync.testing import Faults, ProcessWorkers, open_workers
 
-        import torch
-        from torch import nn
+        async def my_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> None: ...
 
-        from asyncsync import MultiProcessWeightSyncScheme, WorkerDiedError
-        from asyncsync.testing import open_workers
-
-
-        def make_policy() -> nn.Module:
-            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-        async def my_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
-            scheme.init_on_receiver(worker_idx=worker_idx, model=make_policy())
-            async with scheme:
-                await scheme.wait_stopped()
-            return scheme.version
-
-
-        async def main() -> None:
-            scheme = MultiProcessWeightSyncScheme(timeout=30)
-            scheme.init_on_sender(model=make_policy(), num_workers=2)
-            async with open_workers(my_worker, 2, args=(scheme,), scheme=scheme) as workers:
-                async with scheme:
-                    await workers.faults.kill(1)
-                    try:
-                        await scheme.send()
-                    except WorkerDiedError as exc:
-                        print("worker", exc.worker_idx, "died")   # worker 1 died
-                    await workers.restart(1)                     # a replacement gets version 0
-                    await scheme.send()
-            print(workers.results)                               # {0: 1, 1: 1}
-
-
-        if __name__ == "__main__":
-            asyncio.run(main())
+        scheme = MultiProcessWeightSyncScheme(timeout=30)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        workers = open_workers(my_worker, 2, args=(scheme,), scheme=scheme)
+        print(isinstance(workers, ProcessWorkers), isinstance(workers.faults, Faults))  # True True
+        # `async with workers:` starts the processes; nothing runs before
+        await scheme.aclose()
     """
 
     def __init__(
