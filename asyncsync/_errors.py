@@ -7,9 +7,11 @@
     ├── WouldBlock             a ``*_nowait`` call found nothing to do
     ├── BrokenChannelError     the peer's end of a channel vanished
     │   ├── WorkerDiedError    a worker process died (sender side)
-    │   │   └── WorkerLeftError    its receiver ended while the process lives on
-    │   ├── SenderDiedError    the trainer died (worker side)
-    │   └── ProtocolError      a peer sent a malformed control message
+    │   │   ├── WorkerLeftError    its receiver ended while the process lives on
+    │   │   └── HostLostError      a remote host (its relay) is gone, with its workers
+    │   ├── SenderDiedError    the trainer died (worker or relay side)
+    │   ├── ProtocolError      a peer sent a malformed control message
+    │   └── AuthenticationError    a control-plane peer failed the token challenge
     ├── WeightsError           bad weights given to ``send`` (also ``ValueError``)
     ├── WorkerError            a worker rejected a payload; it kept its old weights
     ├── WorkerProcessError     a worker function started by ``spawn_workers`` raised
@@ -23,6 +25,8 @@ from collections.abc import Mapping
 
 __all__ = [
     "AsyncSyncError",
+    "AuthenticationError",
+    "HostLostError",
     "BrokenChannelError",
     "CapacityError",
     "ClosedError",
@@ -89,6 +93,27 @@ class WorkerLeftError(WorkerDiedError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), (self.worker_idx, self.reason, self.version, self.pid))
+
+
+class HostLostError(WorkerDiedError):
+    """A remote host's relay died, left or went silent: every worker of that host is gone.
+
+    ``host`` names the host, ``worker_idx`` the ``(host, local index)`` of the worker a
+    wait was about, ``reason`` what the trainer saw (EOF, no heartbeat, a bad frame).
+    """
+
+    def __init__(self, host: int, worker_idx: object, reason: str, pid: int | None = None) -> None:
+        self.host = host
+        super().__init__(worker_idx, None, pid, reason)  # type: ignore[arg-type]
+        relay = f"relay pid {pid}" if pid else "relay"
+        self.args = (f"host {host} ({relay}) is lost, and with it worker {worker_idx}: {reason}",)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.host, self.worker_idx, self.reason, self.pid))
+
+
+class AuthenticationError(BrokenChannelError):
+    """A control-plane peer did not prove it knows the shared token (or spoke no protocol)."""
 
 
 class CapacityError(AsyncSyncError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SenderStatistics", "WorkerStatistics", "ReceiverStatistics"]
+__all__ = ["DistributedStatistics", "HostStatistics", "ReceiverStatistics", "SenderStatistics", "WorkerStatistics"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class WorkerStatistics:
             worker's channel (a malformed message); else None.
     """
 
-    worker_idx: int
+    worker_idx: int | tuple[int, int]
     state: str
     pid: int | None
     exitcode: int | None
@@ -66,7 +66,7 @@ class SenderStatistics:
     last_copy_ms: float
     workers: tuple[WorkerStatistics, ...]
 
-    def worker(self, worker_idx: int) -> WorkerStatistics:
+    def worker(self, worker_idx: int | tuple[int, int]) -> WorkerStatistics:
         for w in self.workers:
             if w.worker_idx == worker_idx:
                 return w
@@ -98,3 +98,67 @@ class ReceiverStatistics:
     last_commit_ms: float
     callback_errors: int = 0
     last_callback_error: str | None = None
+
+
+@dataclass(frozen=True)
+class HostStatistics:
+    """One remote host (its relay) as the trainer sees it.
+
+    Attributes:
+        host: the host's id. state: ``"waiting"``, ``"connected"``, ``"dead"`` (its
+            connection ended: EOF, no heartbeat, a malformed frame), ``"left"`` (its relay
+            said goodbye) or ``"stopped"``. pid / peer: its relay's process id and address.
+        connections: how many times it connected (a restarted host counts again).
+        delivered_version: newest version whose bytes reached it (-1: none).
+        pending_versions: versions waiting to be transferred to it (latest wins per worker).
+        reason: why it was lost, or None.
+    """
+
+    host: int
+    state: str
+    pid: int | None
+    peer: str | None
+    connections: int
+    delivered_version: int
+    pending_versions: tuple[int, ...]
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class DistributedStatistics:
+    """The trainer's view of a multi-host group.
+
+    Attributes:
+        version: newest version sent (-1 before ``connect``). sends: sends published.
+        bytes_sent: bytes the trainer put on the network so far (one copy per host reached);
+        last_send_bytes: bytes of the last transfer (``buffer_bytes x hosts``).
+        buffers / buffer_bytes: wire buffers (snapshots) allocated, and the size of one.
+        last_copy_ms: time the last send spent copying weights into its buffer.
+        generation / members: the weight-sync group now formed, and the hosts in it.
+        hosts: one :class:`HostStatistics` per host. workers: one :class:`WorkerStatistics`
+            per worker, ``worker_idx`` being ``(host, local index)``.
+    """
+
+    version: int
+    sends: int
+    bytes_sent: int
+    last_send_bytes: int
+    buffers: int
+    buffer_bytes: int
+    last_copy_ms: float
+    generation: int
+    members: tuple[int, ...]
+    hosts: tuple[HostStatistics, ...]
+    workers: tuple[WorkerStatistics, ...]
+
+    def worker(self, worker_idx: tuple[int, int]) -> WorkerStatistics:
+        for w in self.workers:
+            if w.worker_idx == worker_idx:
+                return w
+        raise KeyError(worker_idx)
+
+    def host(self, host: int) -> HostStatistics:
+        for h in self.hosts:
+            if h.host == host:
+                return h
+        raise KeyError(host)
