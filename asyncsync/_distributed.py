@@ -32,8 +32,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 from torch import nn
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ._control import resolve_token
 from ._dataplane import DEFAULT_CHUNK_BYTES

@@ -47,10 +47,13 @@ class DistCluster:
         )
         self.scheme.init_on_sender(model=self.model, hosts=hosts)
         self.hosts: dict[int, Host] = {}
+        # relays take the options that shape the wire (and the workers' behaviour)
+        self.relay_opts = {k: v for k, v in scheme_kwargs.items() if k in ("transfer_dtype", "commit", "commit_mode")}
 
     def spawn_host(self, h: int, token: str = TOKEN, opts: dict[str, Any] | None = None) -> Host:
         ends = [CTX.Pipe() for _ in range(self.layout_hosts[h])]
         ctrl_a, ctrl_b = CTX.Pipe()
+        opts = {**self.relay_opts, **(opts or {})}
         group = spawn_workers(relay_host, worker_ids=[h], args=(self.port, token, [b for _, b in ends], ctrl_b, opts))
         group.start()
         for _, b in ends:
@@ -74,7 +77,12 @@ class DistCluster:
 
     async def close(self) -> None:
         try:
+            live = [p for host in self.hosts.values() if host.group.processes[host.idx].exitcode is None for p in host.probes]
+            for p in live:
+                await p.q.put(("wait_stopped",))
             await self.scheme.aclose()
+            for p in live:
+                assert await p.q.get(timeout=30) == "stopped"
             for host in self.hosts.values():
                 if host.group.processes[host.idx].exitcode is None:
                     msg = await host.ctrl.get(timeout=30)
