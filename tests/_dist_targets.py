@@ -43,10 +43,12 @@ async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], c
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
             await q.put(("failed", outcome))
+        await q.put(("stopped", outcome))
+        for g in groups:  # the probes end when the test tells them to
+            await g.join(timeout=60)
     finally:
         for g in groups:
-            await g.aclose(grace=10.0)
-    await q.put(("stopped", outcome))
+            await g.aclose(grace=0.0)
     await q.aclose()
     return outcome
 
