@@ -172,7 +172,8 @@ class SyncGroup:
     def close(self) -> None:
         """Drop the group; the waiting thread ends once the backend finished its work."""
         if self._waiter is not None:
-            self._waiter.shutdown(wait=False)
+            # Idle (the usual case): join its thread now. Else it ends with the backend's work.
+            self._waiter.shutdown(wait=not self.busy)
             self._waiter = None
         self.pg = None
 

@@ -203,7 +203,7 @@ class DistSender:
         self._server = await asyncio.start_server(self._accept, self._bind, self._port)
         sock = self._server.sockets[0].getsockname()
         self.address = (self._bind, int(sock[1]))
-        await asyncio.to_thread(self._store.set, "control", f"{self._bind}:{sock[1]}")
+        self._store.set("control", f"{self._bind}:{sock[1]}")  # rank 0 hosts the store: a local call
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._pump(), name="asyncsync-dist-pump"))
 
@@ -428,6 +428,7 @@ class DistSender:
                 ex, self._executor = self._executor, None
                 ex.shutdown(wait=True)
             self._bufs = []
+            self._store = None
             for w in self._workers.values():
                 w.latest = None
             for h in self._hosts.values():

@@ -306,13 +306,13 @@ class DistributedWeightSyncScheme:
         return await self._side().connect(timeout=timeout)
 
     async def aclose(self) -> None:
-        """Trainer: stop every relay (which stops its workers). Relay: leave. Idempotent."""
+        """Trainer: stop every relay (which stops its workers). Relay: leave. Idempotent.
+        Releases the rendezvous store too (the trainer's, when it hosts it, stops serving)."""
         if self._sender is not None:
             await self._sender.aclose()
         elif self._relay is not None:
             await self._relay.aclose()
-        elif self._local is not None:  # pragma: no cover
-            await self._local.aclose()
+        self._store = None
 
     async def __aenter__(self) -> DistributedWeightSyncScheme:
         try:

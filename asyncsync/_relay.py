@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class Relay:
         self.local.start()
         self.local.on_ack = self._forward_ack
         self.local.on_lost = self._forward_lost
-        address = (await asyncio.wait_for(asyncio.to_thread(self._store.get, "control"), limit)).decode()
+        address = (await _off_loop(self._store.get, "control")).decode()  # waits for the trainer (store timeout)
         addr, _, port = address.rpartition(":")
         self.trainer = f"trainer at {address}"
         try:
@@ -298,3 +299,11 @@ class Relay:
         if self._group is not None:
             self._group.close()
             self._group = None
+        self._store = None
+
+
+async def _off_loop(fn: Any, *args: Any) -> Any:
+    """*fn(*args)* in a thread of its own, joined before returning (no thread outlives it)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="asyncsync-store") as ex:
+        fut = asyncio.get_running_loop().run_in_executor(ex, fn, *args)
+        return await asyncio.shield(fut)
