@@ -82,14 +82,16 @@ class SyncGroup:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
         loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(1, thread_name_prefix="asyncsync-group") as ex:
-            fut = loop.run_in_executor(ex, build)
-            try:
-                pg = await asyncio.wait_for(asyncio.shield(fut), timeout)
-            except BaseException:
-                # The rendezvous cannot be interrupted; it ends by itself within its timeout.
-                fut.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
-                raise
+        ex = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-group")
+        fut = loop.run_in_executor(ex, build)
+        try:
+            pg = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except BaseException:
+            # The rendezvous cannot be interrupted: its thread ends by itself (store timeout).
+            fut.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+            ex.shutdown(wait=False)
+            raise
+        ex.shutdown(wait=True)  # the thread is done: join it
         return cls(pg, generation, rank, size, chunk_bytes, timeout)
 
     def _chunks(self, buf: torch.Tensor) -> list[torch.Tensor]:

@@ -194,6 +194,9 @@ class Relay:
         if self._group is not None:
             self._group.close()  # its connections close: a peer still waiting in it gets an error
             self._group = None
+        queued = self._ops._queue  # type: ignore[attr-defined]
+        if queued and isinstance(queued[0], Group):
+            return  # superseded before any transfer used it: the trainer dropped it already
         try:
             self._group = await SyncGroup.create(
                 self._store,
