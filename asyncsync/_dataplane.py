@@ -1,7 +1,7 @@
 """The multi-host data plane: a dedicated torch.distributed group for weight bytes.
 
-A :class:`SyncGroup` is one generation of the weight-sync group: a gloo (CPU) or NCCL
-(CUDA) process group built directly on a ``PrefixStore(f"gen{generation}/", store)``. It
+A :class:`SyncGroup` is one generation of the weight-sync group: a gloo process group
+built directly on a ``PrefixStore(f"gen{generation}/", store)``. It
 is never the user's default group and never touches ``init_process_group``; a new
 generation (after a host died or joined) is a new prefix, so groups can be re-formed as
 often as needed. Buffers travel in chunks (``chunk_bytes``, default 64 MiB) issued
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -73,13 +74,7 @@ class SyncGroup:
                 else:
                     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
                 return dist.ProcessGroupGloo(prefixed, rank, size, opts)
-            if backend == "nccl":  # pragma: no cover - needs CUDA
-                if not torch.cuda.is_available():
-                    raise ValueError("backend='nccl' needs CUDA")
-                nccl_opts = dist.ProcessGroupNCCL.Options()
-                nccl_opts._timeout = datetime.timedelta(seconds=timeout)
-                return dist.ProcessGroupNCCL(prefixed, rank, size, nccl_opts)
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+            raise ValueError(f"backend must be 'gloo', got {backend!r}")
 
         loop = asyncio.get_running_loop()
         ex = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-group")
@@ -171,13 +166,27 @@ class SyncGroup:
         """An operation is still running in the backend (its buffers must not be reused)."""
         return self._pending > 0
 
-    def close(self) -> None:
-        """Drop the group; the waiting thread ends once the backend finished its work."""
+    def close(self, background: bool = False) -> None:
+        """Drop the group; the waiting thread ends once the backend finished its work.
+
+        Destroying the group closes its connections, which releases every peer still
+        blocked in one of its operations. That may take a while (up to a second was seen):
+        with *background* (a group replaced by a new generation) or while an operation
+        still runs, it happens in a short-lived thread, not on the loop.
+        """
+        busy = self.busy
         if self._waiter is not None:
             # Idle (the usual case): join its thread now. Else it ends with the backend's work.
-            self._waiter.shutdown(wait=not self.busy)
+            self._waiter.shutdown(wait=not busy)
             self._waiter = None
-        self.pg = None
+        pg, self.pg = self.pg, None
+        if (busy or background) and pg is not None:
+            threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
+        del pg
+
+
+def _drop(holder: list[Any]) -> None:
+    holder.clear()
 
 
 def _wait_work(work: Any, done: Callable[[BaseException | None], None]) -> None:

@@ -550,7 +550,7 @@ class DistSender:
         self._generation += 1
         gen = self._generation
         if self._group is not None:
-            self._group.close()
+            self._group.close(background=True)
             self._group = None
         self._members = []
         if not members:

@@ -68,7 +68,8 @@ class DistributedWeightSyncScheme:
             advertise to the data plane (default: ``master_addr``).
         chunk_bytes: the size of one network transfer chunk (default 64 MiB).
         heartbeat: seconds between heartbeats; a peer silent for three is gone.
-        backend: ``"gloo"`` (CPU, default) or ``"nccl"`` (CUDA; needs a GPU).
+        backend: ``"gloo"`` (default). ``"nccl"`` is refused for now (CUDA check first): the
+            relay lands weights in CPU shared memory, which NCCL cannot write.
     """
 
     def __init__(
@@ -107,10 +108,15 @@ class DistributedWeightSyncScheme:
         MultiProcessWeightSyncScheme(**self._options)
         if strategy not in STRATEGIES:  # pragma: no cover - checked above
             raise ValueError(strategy)
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise ValueError("backend='nccl' needs CUDA, which this host does not have")
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise ValueError("backend='nccl' needs CUDA, which this host does not have")
+            raise NotImplementedError(
+                "backend='nccl' is not implemented yet: relays land weights in CPU shared memory, "
+                "which NCCL cannot write (it needs a device bounce buffer per host); use backend='gloo'"
+            )
+        if backend != "gloo":
+            raise ValueError(f"backend must be 'gloo' (or 'nccl', not implemented yet), got {backend!r}")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         if heartbeat <= 0:

@@ -192,7 +192,7 @@ class Relay:
 
     async def _form(self, op: Group) -> None:
         if self._group is not None:
-            self._group.close()  # its connections close: a peer still waiting in it gets an error
+            self._group.close(background=True)  # its connections close: a peer blocked in it gets an error
             self._group = None
         queued = self._ops._queue  # type: ignore[attr-defined]
         if queued and isinstance(queued[0], Group):

@@ -50,7 +50,7 @@ def _raw_broadcasts(store: Any, rank: int, size: int, nbytes: int, repeats: int)
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = datetime.timedelta(seconds=TIMEOUT_S)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    pg = dist.ProcessGroupGloo(PrefixStore("bench-raw/", store), rank, size, opts)
+    pg: Any = dist.ProcessGroupGloo(PrefixStore("bench-raw/", store), rank, size, opts)
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     one = torch.ones(1)
     out = []
