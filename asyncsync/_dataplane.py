@@ -63,7 +63,10 @@ class SyncGroup:
     ) -> SyncGroup:
         """Rendezvous with the other *size - 1* members on the store (in a thread: it
         blocks until every member arrived, at most *timeout* seconds)."""
-        prefixed = PrefixStore(f"gen{generation}/", store)
+        # A connection of its own: a rendezvous left waiting for a dead member must not hold
+        # up the next generation's behind it on a shared store client.
+        base = store.clone() if hasattr(store, "clone") else store
+        prefixed = PrefixStore(f"gen{generation}/", base)
 
         def build() -> Any:
             if backend == "gloo":

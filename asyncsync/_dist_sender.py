@@ -27,9 +27,9 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -55,11 +55,12 @@ from ._staging import copy_tensors
 from ._stats import DistributedStatistics, HostStatistics, WorkerStatistics
 from ._strategy import KnownSource, to_flat, validate
 
-__all__ = ["DistSender", "WorkerId"]
+__all__ = ["DistSender", "WorkerId", "unless"]
 
 logger = logging.getLogger("asyncsync")
 
 WorkerId = tuple[int, int]
+T = TypeVar("T")
 _THREAD_COPY_BYTES = 4 << 20
 
 
@@ -133,6 +134,7 @@ class DistSender:
         check_finite: bool,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         heartbeat: float = 1.0,
+        silence_timeout: float | None = None,
         backend: str = "gloo",
     ) -> None:
         self._source_layout = source_layout
@@ -148,6 +150,7 @@ class DistSender:
         self.check_finite = check_finite
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
+        self.silence_timeout = silence_timeout
         self.backend = backend
         self._hosts = {h: _Host(h, n) for h, n in sorted(hosts.items())}
         self._workers: dict[WorkerId, _RemoteWorker] = {w.wid: w for h in self._hosts.values() for w in h.workers.values()}
@@ -563,13 +566,19 @@ class DistSender:
                 stream.send(Group(gen, rank, size, self.chunk_bytes))
             except BrokenChannelError:
                 pass  # its reader reports it
+        create = SyncGroup.create(
+            self._store, gen, 0, size, timeout=self._group_timeout(), chunk_bytes=self.chunk_bytes, backend=self.backend, hostname=self._bind
+        )
         try:
-            group = await SyncGroup.create(
-                self._store, gen, 0, size, timeout=self._group_timeout(), chunk_bytes=self.chunk_bytes, backend=self.backend, hostname=self._bind
-            )
+            # A member lost during the rendezvous would hold it up until the timeout: give up
+            # on this generation as soon as membership changes, and form the next one.
+            group = await unless(create, self._changed.wait_until(lambda: self._regroup or self._state != "running", None))
         except Exception as exc:
-            logger.warning("asyncsync: weight-sync group generation %d with hosts %s failed to form (%s); retrying", gen, members, exc)
+            logger.warning("asyncsync: weight-sync group generation %d with hosts %s failed to form (%r); retrying", gen, members, exc)
             self._regroup = True
+            return
+        if group is None:
+            logger.info("asyncsync: weight-sync group generation %d abandoned: the hosts changed while it formed", gen)
             return
         if self._regroup or self._state != "running":
             group.close()  # membership changed meanwhile: form the next generation
@@ -707,7 +716,7 @@ class DistSender:
     async def _read_loop(self, h: _Host, stream: ControlStream) -> None:
         try:
             while True:
-                msg = await stream.recv(timeout=3 * self.heartbeat)
+                msg = await stream.recv(timeout=self.silence_timeout)
                 if h.stream is not stream:
                     return
                 if isinstance(msg, Ack):
@@ -779,9 +788,24 @@ class DistSender:
                 w.state = "dead"
                 w.death = HostLostError(h.idx, w.wid, reason, h.pid)
         h.stream = None
-        if h.idx in self._members or self._regroup:
-            self._regroup = True
+        self._regroup = True  # without it (also while a generation is forming)
         self._changed.notify()
+
+
+async def unless(work: Coroutine[Any, Any, T], stop: Coroutine[Any, Any, Any]) -> T | None:
+    """*work*'s result, or None if *stop* finished first (then *work* is cancelled)."""
+    work_task = asyncio.ensure_future(work)
+    stop_task = asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({work_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+        await asyncio.wait({work_task, stop_task})
+    if work_task.cancelled():
+        return None
+    return work_task.result()
 
 
 def _deadline(timeout: float | None) -> float | None:

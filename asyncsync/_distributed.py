@@ -67,7 +67,13 @@ class DistributedWeightSyncScheme:
         bind: the address the trainer's control plane listens on, and the one relays
             advertise to the data plane (default: ``master_addr``).
         chunk_bytes: the size of one network transfer chunk (default 64 MiB).
-        heartbeat: seconds between heartbeats; a peer silent for three is gone.
+        heartbeat: seconds between heartbeats.
+        silence_timeout: a peer that sent nothing, heartbeats included, for this long is
+            gone (default: ``timeout``; ``None`` with ``timeout=None``: only EOF counts). A
+            killed process is noticed at once anyway (its connection ends); this is for
+            partitions and hung hosts. Heartbeats come from the event loop: a trainer
+            whose loop is blocked (a long synchronous step) longer than this looks dead
+            to its relays, so keep it above your longest step.
         backend: ``"gloo"`` (default). ``"nccl"`` is refused for now (CUDA check first): the
             relay lands weights in CPU shared memory, which NCCL cannot write.
     """
@@ -92,6 +98,7 @@ class DistributedWeightSyncScheme:
         bind: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         heartbeat: float = 1.0,
+        silence_timeout: float | None | object = _DEFAULT,
         backend: str = "gloo",
     ) -> None:
         # The local scheme checks the shared options (and relays use it as is).
@@ -135,6 +142,9 @@ class DistributedWeightSyncScheme:
         self.bind = bind or self.master_addr
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
+        self.silence_timeout: float | None = timeout if silence_timeout is _DEFAULT else silence_timeout  # type: ignore[assignment]
+        if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
+            raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
         self.backend = backend
         self._token = resolve_token(token)
         self._user_store = store
@@ -235,6 +245,7 @@ class DistributedWeightSyncScheme:
             check_finite=self.check_finite,
             chunk_bytes=self.chunk_bytes,
             heartbeat=self.heartbeat,
+            silence_timeout=self.silence_timeout,
             backend=self.backend,
         )
 
@@ -273,6 +284,7 @@ class DistributedWeightSyncScheme:
             token=self._resolve_token(store, trainer=False),
             timeout=self.timeout,
             heartbeat=self.heartbeat,
+            silence_timeout=self.silence_timeout,
             backend=self.backend,
             hostname=self.bind if self.bind != self.master_addr else None,
         )

@@ -26,6 +26,7 @@ import torch
 
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
 from ._dataplane import SyncGroup
+from ._dist_sender import unless
 from ._errors import (
     AuthenticationError,
     BrokenChannelError,
@@ -57,6 +58,7 @@ class Relay:
         token: bytes,
         timeout: float | None,
         heartbeat: float,
+        silence_timeout: float | None,
         backend: str,
         hostname: str | None,
     ) -> None:
@@ -66,6 +68,7 @@ class Relay:
         self._token = token
         self.timeout = timeout
         self.heartbeat = heartbeat
+        self.silence_timeout = silence_timeout
         self.backend = backend
         self._hostname = hostname
         self._stream: ControlStream | None = None
@@ -161,9 +164,10 @@ class Relay:
     async def _read_loop(self, stream: ControlStream) -> None:
         try:
             while True:
-                msg = await stream.recv(timeout=3 * self.heartbeat)
+                msg = await stream.recv(timeout=self.silence_timeout)
                 if isinstance(msg, (Group, Transfer)):
                     self._ops.put_nowait(msg)
+                    self._changed.notify()
                 elif isinstance(msg, Stop):
                     self._ops.put_nowait(None)
                     return
@@ -197,19 +201,25 @@ class Relay:
         queued = self._ops._queue  # type: ignore[attr-defined]
         if queued and isinstance(queued[0], Group):
             return  # superseded before any transfer used it: the trainer dropped it already
+        create = SyncGroup.create(
+            self._store,
+            op.generation,
+            op.rank,
+            op.size,
+            timeout=self.timeout if self.timeout is not None else 300.0,
+            chunk_bytes=op.chunk_bytes,
+            backend=self.backend,
+            hostname=self._hostname,
+        )
         try:
-            self._group = await SyncGroup.create(
-                self._store,
-                op.generation,
-                op.rank,
-                op.size,
-                timeout=self.timeout if self.timeout is not None else 300.0,
-                chunk_bytes=op.chunk_bytes,
-                backend=self.backend,
-                hostname=self._hostname,
-            )
+            # The trainer gives up on a generation whose members changed: so does the relay,
+            # as soon as the next generation is announced.
+            self._group = await unless(create, self._changed.wait_until(self._group_announced, None))
         except Exception as exc:
-            logger.warning("asyncsync: host %d: weight-sync group generation %d failed to form: %s", self.host, op.generation, exc)
+            logger.warning("asyncsync: host %d: weight-sync group generation %d failed to form: %r", self.host, op.generation, exc)
+
+    def _group_announced(self) -> bool:
+        return any(isinstance(op, Group) for op in self._ops._queue)  # type: ignore[attr-defined]
 
     async def _land(self, op: Transfer) -> None:
         group = self._group

@@ -29,8 +29,14 @@ class Host:
         self.group = group
         self.ctrl = ctrl
         self.probes = probes
+        self.closed = False
+
+    @property
+    def running(self) -> bool:
+        return not self.closed and self.group.processes[self.idx].exitcode is None
 
     async def aclose(self) -> None:
+        self.closed = True
         await self.group.aclose(grace=10.0)
         await self.ctrl.aclose()
         for p in self.probes:
@@ -77,16 +83,19 @@ class DistCluster:
 
     async def close(self) -> None:
         try:
-            live = [p for host in self.hosts.values() if host.group.processes[host.idx].exitcode is None for p in host.probes]
+            live = [p for host in self.hosts.values() if host.running for p in host.probes]
+            # (a probe whose worker was killed was removed from host.probes by its test)
             for p in live:
                 await p.q.put(("wait_stopped",))
             await self.scheme.aclose()
             for p in live:
-                assert await p.q.get(timeout=30) == "stopped"
+                said = await p.q.get(timeout=30)
+                assert said == "stopped", said
             for host in self.hosts.values():
-                if host.group.processes[host.idx].exitcode is None:
+                if host.running:
                     msg = await host.ctrl.get(timeout=30)
                     assert msg == ("stopped", "stopped"), msg
         finally:
             for host in self.hosts.values():
-                await host.aclose()
+                if not host.closed:
+                    await host.aclose()

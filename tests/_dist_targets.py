@@ -44,8 +44,11 @@ async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], c
             outcome = f"{type(exc).__name__}: {exc}"
             await q.put(("failed", outcome))
         await q.put(("stopped", outcome))
-        for g in groups:  # the probes end when the test tells them to
-            await g.join(timeout=60)
+        for g in groups:  # the probes end when the test tells them to (or were killed)
+            try:
+                await g.join(timeout=60)
+            except Exception as exc:
+                print(f"host {host}: a worker ended badly: {exc}")
     finally:
         for g in groups:
             await g.aclose(grace=0.0)

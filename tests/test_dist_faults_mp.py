@@ -7,71 +7,106 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
+from collections.abc import AsyncIterator
 
+import psutil
 import pytest
+import pytest_asyncio
 
-from asyncsync import AsyncQueue, HostLostError, spawn_workers
+from asyncsync import AsyncQueue, HostLostError, WorkerDiedError, spawn_workers
 from tests._dist_cluster import TOKEN, DistCluster, free_port
 from tests._dist_targets import dist_trainer, relay_host
 from tests._targets import fill_
 from tests.conftest import Probe
 
 CTX = mp.get_context("spawn")
+# One loop for the module: the shared cluster's heartbeats must keep flowing during every test.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def test_killed_relay_is_named_group_reforms_restarted_host_rejoins() -> None:
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fc() -> AsyncIterator[DistCluster]:
+    """One cluster for the two steps below, which run in order: a relay dies; its host
+    comes back, then one of its workers dies."""
     c = DistCluster({1: 1, 2: 1})
     try:
         await c.start()
-        first_generation = c.scheme.statistics().generation
-        # Worker (2, 0) blocks its loop: the next send waits for its ack, then host 2 dies.
-        blocked = c.hosts[2].probes[0]
-        assert await blocked.ask("block") == "blocked"
-        fill_(c.model, 2.0)
-        send = c.scheme.send()
-        task = asyncio.ensure_future(send)
-        await c.scheme.sender.wait_async(c.scheme.version, worker_ids=[(1, 0)])  # host 1 applied it
-        t0 = time.monotonic()
-        c.hosts[2].group.kill(2)
-        with pytest.raises(HostLostError) as info:
-            await task
-        print(f"killed relay named after {(time.monotonic() - t0) * 1e3:.0f} ms")
-        assert info.value.host == 2 and info.value.worker_idx == (2, 0)
-        assert "host 2" in str(info.value) and "(2, 0)" in str(info.value)
-        await blocked.q.put("go")  # let the orphaned worker go: it ends on its own
-        assert await blocked.q.get(timeout=30) == "released"
-        await blocked.q.put(("exit",))
-        stats = c.scheme.statistics()
-        assert stats.host(2).state == "dead" and stats.worker((2, 0)).state == "dead"
-        # a send that targets the dead host fails at once; one to the living goes through
-        with pytest.raises(HostLostError):
-            await c.scheme.send()
-        fill_(c.model, 3.0)
-        v = await c.scheme.send(worker_ids=[(1, 0)])
-        version, sd = await c.state((1, 0))
-        assert version == v and all(bool((t == 3.0).all()) for t in sd.values())
-        stats = c.scheme.statistics()
-        assert stats.members == (1,) and stats.generation > first_generation
-        # with on_worker_error="skip", sends go on to the living
-        c.scheme.sender.on_worker_error = "skip"
-        fill_(c.model, 4.0)
-        v_latest = await c.scheme.send()
-        # host 2 comes back: its worker gets the newest version before anything else
-        await c.hosts[2].aclose()
-        c.spawn_host(2)
-        msg = await c.hosts[2].ctrl.get(timeout=30)
-        assert msg[0] == "joined", msg
-        await c.scheme.sender.wait_joined(2, timeout=30)
-        version, sd = await c.state((2, 0))
-        assert version == v_latest and all(bool((t == 4.0).all()) for t in sd.values())
-        assert await c.hosts[2].probes[0].ask("updates") == [v_latest]
-        stats = c.scheme.statistics()
-        assert stats.members == (1, 2) and stats.host(2).connections == 2
-        fill_(c.model, 5.0)
-        v = await c.scheme.send()  # a broadcast to both again
-        assert set(c.scheme.sender.applied_versions().values()) == {v}
+        yield c
     finally:
         await c.close()
+
+
+async def test_1_killed_relay_is_named_and_group_reforms(fc: DistCluster) -> None:
+    c = fc
+    first_generation = c.scheme.statistics().generation
+    # Worker (2, 0) blocks its loop: the next send waits for its ack, then host 2 dies.
+    blocked = c.hosts[2].probes[0]
+    assert await blocked.ask("block") == "blocked"
+    fill_(c.model, 2.0)
+    task = asyncio.ensure_future(c.scheme.send())
+    await c.scheme.sender.wait_async(c.scheme.version, worker_ids=[(1, 0)])  # host 1 applied it
+    t0 = time.monotonic()
+    c.hosts[2].group.kill(2)
+    with pytest.raises(HostLostError) as info:
+        await task
+    print(f"killed relay named after {(time.monotonic() - t0) * 1e3:.0f} ms")
+    assert info.value.host == 2 and info.value.worker_idx == (2, 0)
+    assert "host 2" in str(info.value) and "(2, 0)" in str(info.value)
+    await blocked.q.put("go")  # let the orphaned worker go: it ends on its own
+    assert await blocked.q.get(timeout=30) == "released"
+    await blocked.q.put(("exit",))
+    stats = c.scheme.statistics()
+    assert stats.host(2).state == "dead" and stats.worker((2, 0)).state == "dead"
+    # a send that targets the dead host fails at once; one to the living goes through
+    with pytest.raises(HostLostError):
+        await c.scheme.send()
+    fill_(c.model, 3.0)
+    v = await c.scheme.send(worker_ids=[(1, 0)])
+    version, sd = await c.state((1, 0))
+    assert version == v and all(bool((t == 3.0).all()) for t in sd.values())
+    stats = c.scheme.statistics()
+    assert stats.members == (1,) and stats.generation > first_generation
+
+
+async def test_2_restarted_host_rejoins_with_the_latest_weights_then_its_worker_dies(fc: DistCluster) -> None:
+    c = fc
+    assert c.scheme.statistics().host(2).state == "dead"
+    c.scheme.sender.on_worker_error = "skip"  # sends go on to the living
+    fill_(c.model, 4.0)
+    v_latest = await c.scheme.send()
+    await c.hosts[2].aclose()
+    c.spawn_host(2)
+    msg = await c.hosts[2].ctrl.get(timeout=30)
+    assert msg[0] == "joined", msg
+    await c.scheme.sender.wait_joined(2, timeout=30)
+    version, sd = await c.state((2, 0))
+    assert version == v_latest and all(bool((t == 4.0).all()) for t in sd.values())
+    assert await c.hosts[2].probes[0].ask("updates") == [v_latest]  # nothing older, ever
+    stats = c.scheme.statistics()
+    assert stats.members == (1, 2) and stats.host(2).connections == 2
+    fill_(c.model, 5.0)
+    v = await c.scheme.send()  # a broadcast to both again
+    assert set(c.scheme.sender.applied_versions().values()) == {v}
+
+    # then a remote worker dies: its relay tells the trainer, which names host and worker
+    c.scheme.sender.on_worker_error = "raise"
+    relay = psutil.Process(c.hosts[2].group.processes[2].pid)
+    (worker,) = [p for p in relay.children() if "resource_tracker" not in " ".join(p.cmdline())]
+    worker.kill()
+    fill_(c.model, 6.0)
+    with pytest.raises(WorkerDiedError) as died:
+        await c.scheme.send()
+    assert died.value.worker_idx == (2, 0) and died.value.exitcode == -9
+    assert "on host 2" in str(died.value) and "(2, 0)" in str(died.value)
+    assert c.scheme.statistics().host(2).state == "connected"  # the host itself lives on
+    await c.hosts[2].probes[0].q.aclose()  # its probe is gone with it
+    c.hosts[2].probes = []
+    v = await c.scheme.send(worker_ids=[(1, 0)])
+    assert (await c.state((1, 0)))[0] == v
+    # this test's processes end with it
+    c.hosts[2].group.kill(2)
+    await c.scheme.sender.wait_lost(2, timeout=30)
+    await c.hosts[2].aclose()
 
 
 async def test_killed_trainer_leaves_relays_and_workers_with_sender_died() -> None:

@@ -100,3 +100,33 @@ async def test_in_process_transfer_dtype(dtype: torch.dtype) -> None:
         await trainer.send()
         assert all(p.dtype == torch.float32 and bool((p == 1.5).all()) for p in local.parameters())
         assert trainer.statistics().buffer_bytes < sum(t.numel() * 4 for t in model.state_dict().values())
+
+
+async def test_in_process_manual_commit() -> None:
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, commit_mode="manual")
+    model = make_model()
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    local = make_model()
+    worker.init_on_receiver(worker_idx=0, model=local)
+    try:
+        joining = asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        await worker.wait_for_version(0)  # staged, not committed: nobody acked yet
+        assert worker.update_pending and worker.version == -1
+        assert worker.commit() == 0
+        await joining
+        fill_(model, 3.0)
+        send = asyncio.ensure_future(trainer.send())
+        await worker.wait_for_version(1)
+        assert not send.done() and all(bool((p != 3.0).all()) for p in local.parameters())
+        assert worker.commit() == 1
+        assert await send == 1
+        assert all(bool((p == 3.0).all()) for p in local.parameters())
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
