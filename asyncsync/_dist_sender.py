@@ -50,6 +50,7 @@ from ._errors import (
 )
 from ._layout import Layout
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
+from ._sender import ModelRef
 from ._signal import Signal
 from ._staging import copy_tensors
 from ._stats import DistributedStatistics, HostStatistics, WorkerStatistics
@@ -472,12 +473,13 @@ class DistSender:
 
     def _flat(self, weights: Any, partial: bool) -> dict[str, torch.Tensor] | Any:
         if weights is None:
+            source = self._source.resolve() if isinstance(self._source, ModelRef) else self._source
             known = self._known
-            flat = known.current() if known is not None and known.obj is self._source else None
+            flat = known.current() if known is not None and known.obj is source else None
             if flat is None:
-                flat = to_flat(self._source, self._source_layout)
+                flat = to_flat(source, self._source_layout)
                 validate(flat, self._source_layout, check_finite=self.check_finite, wire_layout=self._layout)
-                self._known = KnownSource.of(self._source, flat)
+                self._known = KnownSource.of(source, flat)
             elif self.check_finite:
                 validate(flat, self._source_layout, check_finite=True, wire_layout=self._layout)
             return flat

@@ -41,8 +41,8 @@ from ._dist_sender import DistSender, WorkerId
 from ._layout import Layout
 from ._receiver import Commit, CommitMode
 from ._relay import Relay
-from ._scheme import MultiProcessWeightSyncScheme
-from ._sender import OnWorkerError
+from ._scheme import MultiProcessWeightSyncScheme, _lookup
+from ._sender import ModelRef, OnWorkerError
 from ._stats import DistributedStatistics, SenderStatistics
 from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
 
@@ -204,7 +204,8 @@ class DistributedWeightSyncScheme:
             raise RuntimeError("this scheme is already initialised")
         if weights is not None and model is not None:
             raise ValueError("pass either weights or model, not both")
-        if model is None and weights is None:
+        by_context = model is None and weights is None
+        if by_context:
             model = resolve_model(context, model_id)
             if model is None:
                 raise ValueError("nothing to send: pass model= or weights=, or a context with the model at context.<model_id>")
@@ -229,6 +230,8 @@ class DistributedWeightSyncScheme:
         if self.transfer_dtype is not None:
             dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
         wire_layout = Layout.from_tensors(first, dtype_map)
+        if by_context:  # looked up at every send, as locally (and as torchrl does)
+            source = ModelRef(lambda: _lookup(context, model_id))
         store = self._open_store()
         self._sender = DistSender(
             hosts=hosts,

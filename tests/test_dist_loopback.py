@@ -130,3 +130,28 @@ async def test_in_process_manual_commit() -> None:
         await trainer.aclose()
         await relay.aclose()
         await worker.aclose()
+
+
+async def test_in_process_context_model_id_is_looked_up_at_every_send() -> None:
+    class Ctx:
+        policy = make_model()
+
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender("policy", Ctx, hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    local = make_model()
+    worker.init_on_receiver(worker_idx=0, model=local)
+    try:
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        Ctx.policy = make_model()  # a new module object: the next send reads it
+        fill_(Ctx.policy, 4.0)
+        await trainer.send()
+        assert all(bool((p == 4.0).all()) for p in local.parameters())
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()

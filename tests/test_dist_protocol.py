@@ -17,7 +17,7 @@ from asyncsync._control import HANDSHAKE_LIMIT, ControlStream, auth_mac, welcome
 from asyncsync._protocol import MAX_TARGETS, Auth, Beat, Challenge, Group, Lost, Message, Transfer, Welcome, decode, encode
 from tests.test_protocol import _decode_or_reject, _fix_length
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
