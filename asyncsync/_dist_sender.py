@@ -610,6 +610,10 @@ class DistSender:
             except BrokenChannelError:
                 pass
         buf.transfers += 1
+        # Counted when issued: the bytes leave now (a worker may ack before the trainer's
+        # side of the operation reports completion).
+        self._last_send_bytes = self._layout.nbytes * len(hosts)
+        self._bytes_sent += self._last_send_bytes
 
         def release() -> None:
             buf.transfers -= 1
@@ -625,18 +629,14 @@ class DistSender:
                         release()
 
                 await asyncio.gather(*(group.send(buf.tensor, ranks[h], tag, release_one) for h in hosts))
-                sent = self._layout.nbytes * len(hosts)
             else:
                 await group.broadcast(buf.tensor, 0, release)
-                sent = self._layout.nbytes * len(hosts)
         except BrokenChannelError as exc:
             if self._state == "running":
                 logger.warning("asyncsync: transfer of version %d to hosts %s failed (%s); re-forming the group", version, hosts, exc)
                 self._regroup = True
                 self._changed.notify()
             return
-        self._bytes_sent += sent
-        self._last_send_bytes = sent
         for h in hosts:
             host = self._hosts[h]
             host.delivered = max(host.delivered, version)

@@ -215,6 +215,9 @@ class Relay:
             # The trainer gives up on a generation whose members changed: so does the relay,
             # as soon as the next generation is announced.
             self._group = await unless(create, self._changed.wait_until(self._group_announced, None))
+            logger.info(
+                "asyncsync: host %d: weight-sync group generation %d %s", self.host, op.generation, "formed" if self._group else "abandoned"
+            )
         except Exception as exc:
             logger.warning("asyncsync: host %d: weight-sync group generation %d failed to form: %r", self.host, op.generation, exc)
 

@@ -72,7 +72,9 @@ class DistCluster:
     async def start(self) -> DistCluster:
         for h in self.layout_hosts:
             self.spawn_host(h)
-        await self.scheme.connect()
+        # Starting 2 relays that start their workers (each importing torch) is what takes
+        # long on a small busy machine: more than the scheme's 30 s was seen at load 7 on 2 cores.
+        await self.scheme.connect(timeout=50)
         for host in self.hosts.values():
             msg = await host.ctrl.get(timeout=30)
             assert msg[0] == "joined", msg
@@ -94,6 +96,8 @@ class DistCluster:
             for host in self.hosts.values():
                 if host.running:
                     msg = await host.ctrl.get(timeout=30)
+                    while msg[0] != "stopped":  # after a failed start: ("joined", ...) or ("failed", ...) first
+                        msg = await host.ctrl.get(timeout=30)
                     assert msg == ("stopped", "stopped"), msg
         finally:
             for host in self.hosts.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], c
     then ``("stopped", how)`` when the trainer stops it or dies.
     """
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format=f"[host {host} %(relativeCreated)d ms] %(message)s")
     opts = dict(opts or {})
     kind = opts.pop("kind", "mlp")
     scheme = DistributedWeightSyncScheme(

@@ -27,9 +27,11 @@ ALL = [(1, 0), (1, 1), (2, 0)]
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def dc() -> AsyncIterator[DistCluster]:
     c = DistCluster({1: 2, 2: 1}, transfer_dtype=torch.bfloat16)
-    await c.start()
-    yield c
-    await c.close()
+    try:
+        await c.start()
+        yield c
+    finally:
+        await c.close()
 
 
 def all_equal(sd: dict[str, torch.Tensor], value: float) -> bool:
