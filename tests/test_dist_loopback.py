@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, loopback_worker
+from asyncsync import DistributedWeightSyncScheme, HostLostError, MultiProcessWeightSyncScheme, loopback_worker
 from tests._dist_cluster import free_port
 from tests._targets import fill_, make_model
 
@@ -151,6 +151,51 @@ async def test_in_process_context_model_id_is_looked_up_at_every_send() -> None:
         fill_(Ctx.policy, 4.0)
         await trainer.send()
         assert all(bool((p == 4.0).all()) for p in local.parameters())
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_a_relay_with_another_model_is_refused_with_the_reason() -> None:
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=make_model(), hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model("wide"), num_workers=1)
+    await trainer.sender.start()
+    try:
+        with pytest.raises(ValueError, match="host 1: the trainer's weights do not fit this host's model"):
+            await relay.connect()
+        await trainer.sender.wait_lost(1, timeout=30)
+        assert trainer.statistics().host(1).state == "dead"
+    finally:
+        await relay.aclose()
+        await trainer.aclose()
+
+
+async def test_a_relay_that_leaves_is_named_as_left() -> None:
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = make_model()
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    local = make_model()
+    worker.init_on_receiver(worker_idx=0, model=local)
+    try:
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        await relay.aclose()  # the host leaves: its workers are stopped, keeping their weights
+        await trainer.sender.wait_lost(1, timeout=30)
+        stats = trainer.statistics()
+        assert stats.host(1).state == "left" and "its relay left: the relay closed" in str(stats.host(1).reason)
+        with pytest.raises(HostLostError, match="host 1 .* is lost, and with it worker \\(1, 0\\): its relay left"):
+            await trainer.send()
+        await worker.wait_stopped()  # stopped by its relay, not an error
+        assert worker.version == 0
     finally:
         await trainer.aclose()
         await relay.aclose()
