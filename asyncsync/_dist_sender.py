@@ -72,6 +72,7 @@ class _Buf:
         self.tensor = torch.empty(layout.nbytes, dtype=torch.uint8)
         self.views = layout.views(self.tensor)
         self.version = -1
+        self.serial = -1  # which write this is (a buffer is reused)
         self.owners = 0  # workers whose newest version this is
         self.transfers = 0  # network transfers still reading it
 
@@ -110,7 +111,9 @@ class _Host:
         self.connections = 0
         self.reason: str | None = None
         self.workers = {i: _RemoteWorker((idx, i)) for i in range(num_workers)}
-        self.pending: dict[int, tuple[_Buf, set[int]]] = {}  # version -> (buffer, local targets)
+        # (version, buffer serial) -> (buffer, local targets). One version may need several
+        # buffers on one host: a partial update completed from different bases per worker.
+        self.pending: dict[tuple[int, int], tuple[_Buf, set[int]]] = {}
         self.delivered = -1
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -156,6 +159,7 @@ class DistSender:
         self._hosts = {h: _Host(h, n) for h, n in sorted(hosts.items())}
         self._workers: dict[WorkerId, _RemoteWorker] = {w.wid: w for h in self._hosts.values() for w in h.workers.values()}
         self._bufs: list[_Buf] = []
+        self._serial = 0
         self._known: KnownSource | None = None
         self._state = "new"
         self._version = -1
@@ -250,20 +254,25 @@ class DistSender:
                 by_base.setdefault(id(base), (base, []))[1].append(wid)
             version = self._version + 1
             written: list[tuple[_Buf, list[WorkerId]]] = []
-            for base, members in by_base.values():
-                buf = self._free_buf()
-                buf.transfers += 1  # reserved while being written
-                try:
+            try:
+                for base, members in by_base.values():
+                    buf = self._free_buf()
+                    buf.transfers += 1  # reserved until assigned: the next group must not take it
+                    written.append((buf, members))
                     await self._write(buf, flat, base)
-                finally:
+                    buf.version = version
+                    self._serial += 1
+                    buf.serial = self._serial
+            except BaseException:
+                for buf, _ in written:
                     buf.transfers -= 1
-                buf.version = version
-                written.append((buf, members))
+                raise
             self._version = version
             self._sends += 1
             for buf, members in written:
                 for wid in members:
                     self._assign(self._workers[wid], buf)
+                buf.transfers -= 1
             self._changed.notify()
         return version
 
@@ -372,7 +381,7 @@ class DistSender:
                 peer=h.peer,
                 connections=h.connections,
                 delivered_version=h.delivered,
-                pending_versions=tuple(sorted(h.pending)),
+                pending_versions=tuple(sorted({v for v, _ in h.pending})),
                 reason=h.reason,
             )
             for h in self._hosts.values()
@@ -521,12 +530,12 @@ class DistSender:
         w.sent = buf.version
         h = self._hosts[w.wid[0]]
         local = w.wid[1]
-        for v in list(h.pending):
-            targets = h.pending[v][1]
+        for key in list(h.pending):
+            targets = h.pending[key][1]
             targets.discard(local)
             if not targets:
-                del h.pending[v]
-        h.pending.setdefault(buf.version, (buf, set()))[1].add(local)
+                del h.pending[key]
+        h.pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
 
     # ----------------------------------------------------------------- the pump
 
@@ -596,9 +605,10 @@ class DistSender:
         """Move the oldest pending version: a broadcast if every member waits for it."""
         group = self._group
         assert group is not None
-        version = min(v for h in self._members for v in self._hosts[h].pending if self._hosts[h].state == "connected")
-        hosts = [h for h in self._members if version in self._hosts[h].pending and self._hosts[h].state == "connected"]
-        buf = self._hosts[hosts[0]].pending[version][0]
+        key = min(k for h in self._members for k in self._hosts[h].pending if self._hosts[h].state == "connected")
+        hosts = [h for h in self._members if key in self._hosts[h].pending and self._hosts[h].state == "connected"]
+        buf = self._hosts[hosts[0]].pending[key][0]
+        version = key[0]
         p2p = set(hosts) != set(self._members)
         self._tag = (self._tag + 1) % (1 << 20)
         tag = self._tag * 2048
@@ -606,7 +616,7 @@ class DistSender:
             stream = self._hosts[h].stream
             assert stream is not None
             try:
-                stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(self._hosts[h].pending[version][1]))))
+                stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(self._hosts[h].pending[key][1]))))
             except BrokenChannelError:
                 pass
         buf.transfers += 1
@@ -640,9 +650,7 @@ class DistSender:
         for h in hosts:
             host = self._hosts[h]
             host.delivered = max(host.delivered, version)
-            entry = host.pending.get(version)
-            if entry is not None and entry[0] is buf:
-                del host.pending[version]
+            host.pending.pop(key, None)
         self._changed.notify()
 
     # ----------------------------------------------------------------- connections
@@ -680,7 +688,7 @@ class DistSender:
         for w in h.workers.values():
             w.reset()
             if w.latest is not None:  # its newest version goes first
-                h.pending.setdefault(w.latest.version, (w.latest, set()))[1].add(w.wid[1])
+                h.pending.setdefault((w.latest.version, w.latest.serial), (w.latest, set()))[1].add(w.wid[1])
         try:
             stream.send(Setup(self._layout, None, os.getpid()))
         except BrokenChannelError:

@@ -237,8 +237,11 @@ class Relay:
                 await group.broadcast(buf, 0)
 
         try:
-            if op.version > self.local.version:
-                await self.local.publish_filled(fill, op.version, list(op.targets))
+            # Targets that do not have this version yet (a version may come in several
+            # transfers for different workers, and a transfer repeated after a regroup).
+            fresh = [i for i in op.targets if self.local.sent_version(i) < op.version]
+            if fresh and op.version >= self.local.version:
+                await self.local.publish_filled(fill, op.version, fresh)
                 self._published = op.version
                 self._changed.notify()
             else:  # already landed before a regroup: consume the bytes, publish nothing

@@ -240,6 +240,10 @@ class Sender:
     def _applied(w: _Worker) -> int:
         return w.link.applied if w.link is not None else -1
 
+    def sent_version(self, worker_idx: int) -> int:
+        """The newest version sent to *worker_idx* (-1: none)."""
+        return self._sent(self._worker(worker_idx))
+
     def _sent(self, w: _Worker) -> int:
         """The newest version sent to *w* (-1: none)."""
         latest = self._ledger.latest.get(w.idx)
@@ -266,13 +270,15 @@ class Sender:
 
         For a relay: *buffer* is the slot itself (a uint8 tensor of the wire layout), so
         weights received from the network land in shared memory without another copy.
-        *version* must be newer than every version sent so far. If *fill* raises, the
-        slot is released and nothing is published.
+        *version* must be at least the newest version sent, and newer than what each
+        target was sent (one version may be published in several slots, to different
+        workers, as a partial update does). If *fill* raises, the slot is released and
+        nothing is published.
         """
         self._check_running()
         targets = self._targets(worker_ids)
-        if version <= self._version:
-            raise ValueError(f"version {version} is not newer than {self._version}")
+        if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):
+            raise ValueError(f"version {version} is older than the newest sent ({self._version}) or was already sent to one of {targets}")
         assert self._send_lock is not None
         async with self._send_lock:
             self._check_running()
@@ -284,8 +290,9 @@ class Sender:
                 self._release_unused()
                 self._changed.notify()
                 raise
+            if version > self._version:
+                self._sends += 1
             self._version = version
-            self._sends += 1
             self._bytes += self._layout.nbytes
             self._ledger.publish(slot.id, version, targets)
             for i in targets:
