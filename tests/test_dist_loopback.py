@@ -200,3 +200,32 @@ async def test_a_relay_that_leaves_is_named_as_left() -> None:
         await trainer.aclose()
         await relay.aclose()
         await worker.aclose()
+
+
+async def test_a_silent_relay_is_declared_lost() -> None:
+    """A peer that authenticates, then sends nothing (no heartbeat) for silence_timeout."""
+    from asyncsync._control import auth_mac
+    from asyncsync._protocol import Auth, Challenge, Setup, Welcome, decode, encode
+
+    port = free_port()
+    trainer = DistributedWeightSyncScheme(
+        rank=0, timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, heartbeat=0.2, silence_timeout=1.0
+    )
+    trainer.init_on_sender(model=make_model(), hosts={1: 1})
+    await trainer.sender.start()
+    assert trainer.sender.address is not None
+    reader, writer = await asyncio.open_connection(*trainer.sender.address)
+    try:
+        challenge = decode(await reader.readexactly(40))
+        assert isinstance(challenge, Challenge)
+        writer.write(encode(Auth(1, 1, 4242, b"\x03" * 32, auth_mac(b"t0ken", challenge.nonce, 1, 1))))
+        assert isinstance(decode(await reader.readexactly(40)), Welcome)
+        header = await reader.readexactly(8)
+        setup = decode(header + await reader.readexactly(int.from_bytes(header[4:], "big")))
+        assert isinstance(setup, Setup) and setup.layout == trainer.sender.layout
+        await trainer.sender.wait_lost(1, timeout=30)  # ...and now it says nothing
+        host = trainer.statistics().host(1)
+        assert host.state == "dead" and "sent nothing for 1.0s (no heartbeat)" in str(host.reason)
+    finally:
+        writer.close()
+        await trainer.aclose()
