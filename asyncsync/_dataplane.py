@@ -157,12 +157,22 @@ class SyncGroup:
             if self._waiter is None:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gloo")
             self._waiter.submit(_wait_work, work, done)
+            del work
+        error: str | None = None
         try:
             await asyncio.wait_for(asyncio.gather(*futures), self.timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            raise BrokenChannelError(f"weight-sync group generation {self.generation}: a transfer took more than {self.timeout}s") from None
+            error = f"a transfer took more than {self.timeout}s"
         except RuntimeError as exc:
-            raise BrokenChannelError(f"weight-sync group generation {self.generation}: {exc}") from exc
+            error = str(exc)
+        finally:
+            # No reference to a work may outlive this call (not even through a traceback):
+            # a work keeps its group's connections open, and closing them is what releases
+            # a peer still blocked in the group once it is dropped.
+            works.clear()
+            futures.clear()
+        if error is not None:
+            raise BrokenChannelError(f"weight-sync group generation {self.generation}: {error}")
 
     @property
     def busy(self) -> bool:
