@@ -46,6 +46,7 @@ class SyncGroup:
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self._waiter: ThreadPoolExecutor | None = None
+        self._closed = False
         self._pending = 0  # operations the backend has not finished (a timed-out one included)
 
     @classmethod
@@ -140,6 +141,8 @@ class SyncGroup:
             left[0] -= 1
             if left[0] == 0 and release is not None:
                 release()
+            if self._pending == 0 and self._closed:
+                self._destroy(background=True)  # closed while busy: now it can go
 
         if not works and release is not None:
             release()
@@ -159,8 +162,10 @@ class SyncGroup:
             self._waiter.submit(_wait_work, work, done)
             del work
         error: str | None = None
+        gathered = asyncio.gather(*futures)
+        gathered.add_done_callback(_retrieve)  # abandoned (cancelled) waits leave no "never retrieved" error
         try:
-            await asyncio.wait_for(asyncio.gather(*futures), self.timeout)
+            await asyncio.wait_for(gathered, self.timeout)
         except (TimeoutError, asyncio.TimeoutError):
             error = f"a transfer took more than {self.timeout}s"
         except RuntimeError as exc:
@@ -182,20 +187,32 @@ class SyncGroup:
     def close(self, background: bool = False) -> None:
         """Drop the group; the waiting thread ends once the backend finished its work.
 
-        Destroying the group closes its connections, which releases every peer still
-        blocked in one of its operations. That may take a while (up to a second was seen):
-        with *background* (a group replaced by a new generation) or while an operation
-        still runs, it happens in a short-lived thread, not on the loop.
+        A group with an operation still running in the backend is kept until that
+        operation ends (at the latest at the group's timeout): its destructor would wait
+        for it, holding the GIL, and freeze the whole process. An idle group is destroyed
+        at once, which closes its connections; that can take a moment (up to a second was
+        seen), so with *background* (a group replaced by a new generation) it happens in a
+        short-lived thread, not on the loop.
         """
+        self._closed = True
         busy = self.busy
         if self._waiter is not None:
             # Idle (the usual case): join its thread now. Else it ends with the backend's work.
             self._waiter.shutdown(wait=not busy)
             self._waiter = None
+        if not busy:
+            self._destroy(background)
+
+    def _destroy(self, background: bool) -> None:
         pg, self.pg = self.pg, None
-        if (busy or background) and pg is not None:
+        if background and pg is not None:
             threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
         del pg
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _drop(holder: list[Any]) -> None:

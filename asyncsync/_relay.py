@@ -38,7 +38,7 @@ from ._errors import (
     WorkerLeftError,
 )
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
-from ._sender import Sender
+from ._sender import Sender, StillWriting
 from ._signal import Signal
 
 __all__ = ["Relay"]
@@ -231,10 +231,28 @@ class Relay:
             return
 
         async def fill(buf: torch.Tensor) -> None:
-            if op.p2p:
-                await group.recv(buf, 0, op.tag)
-            else:
-                await group.broadcast(buf, 0)
+            """Receive into *buf*; give up (leaving the receive to the backend) as soon as the
+            trainer announces a new group: a peer died mid-transfer, and this receive may
+            never complete (gloo cannot abort it; it ends at the group's timeout)."""
+            loop = asyncio.get_running_loop()
+            released: asyncio.Future[None] = loop.create_future()
+
+            def release() -> None:
+                if not released.done():
+                    released.set_result(None)
+
+            receive = group.recv(buf, 0, op.tag, release) if op.p2p else group.broadcast(buf, 0, release)
+            task = asyncio.ensure_future(receive)
+            announced = asyncio.ensure_future(self._changed.wait_until(self._group_announced, None))
+            try:
+                await asyncio.wait({task, announced}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                announced.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+                raise StillWriting(f"transfer of version {op.version} abandoned: the trainer re-forms the group", released)
+            task.result()
 
         try:
             # Targets that do not have this version yet (a version may come in several
@@ -248,7 +266,7 @@ class Relay:
                 if self._scratch is None:
                     self._scratch = torch.empty(self.local.layout.nbytes, dtype=torch.uint8)
                 await fill(self._scratch)
-        except BrokenChannelError as exc:
+        except (BrokenChannelError, StillWriting) as exc:
             logger.warning("asyncsync: host %d: transfer of version %d failed (%s); waiting for the group to re-form", self.host, op.version, exc)
         except ClosedError:
             pass

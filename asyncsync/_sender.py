@@ -93,6 +93,15 @@ class _Worker:
         self.pid: int | None = None
 
 
+class StillWriting(Exception):
+    """Raised by a ``publish_filled`` fill that gives up while its writer still runs;
+    ``done`` resolves once the buffer is no longer written."""
+
+    def __init__(self, message: str, done: asyncio.Future[None]) -> None:
+        super().__init__(message)
+        self.done = done
+
+
 class ModelRef:
     """A model looked up at every send (``context`` + ``model_id``), as torchrl does."""
 
@@ -285,6 +294,20 @@ class Sender:
             slot = await self._acquire_slot(None)
             try:
                 await fill(self._pool.views_buffer(slot))
+            except StillWriting as exc:
+                # Abandoned while something (a network receive) still writes the slot: it
+                # stays reserved, off the books, until that is done.
+                slot.copying = True
+
+                def done(_f: object) -> None:
+                    slot.copying = False
+                    self._ledger.unreserve(slot.id)
+                    if self._state != "closed":
+                        self._release_unused()
+                    self._changed.notify()
+
+                exc.done.add_done_callback(done)
+                raise
             except BaseException:
                 self._ledger.unreserve(slot.id)
                 self._release_unused()

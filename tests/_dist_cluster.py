@@ -44,10 +44,11 @@ class Host:
 
 
 class DistCluster:
-    def __init__(self, hosts: dict[int, int], **scheme_kwargs: Any) -> None:
+    def __init__(self, hosts: dict[int, int], kind: str = "mlp", **scheme_kwargs: Any) -> None:
         self.port = free_port()
         self.layout_hosts = hosts
-        self.model = make_model()
+        self.kind = kind
+        self.model = make_model(kind)
         self.scheme = DistributedWeightSyncScheme(
             **{"timeout": 30, "token": TOKEN, "rank": 0, "world_size": 3, "master_addr": "127.0.0.1", "master_port": self.port, "heartbeat": 0.5, **scheme_kwargs}
         )
@@ -59,7 +60,7 @@ class DistCluster:
     def spawn_host(self, h: int, token: str = TOKEN, opts: dict[str, Any] | None = None) -> Host:
         ends = [CTX.Pipe() for _ in range(self.layout_hosts[h])]
         ctrl_a, ctrl_b = CTX.Pipe()
-        opts = {**self.relay_opts, **(opts or {})}
+        opts = {"kind": self.kind, **self.relay_opts, **(opts or {})}
         group = spawn_workers(relay_host, worker_ids=[h], args=(self.port, token, [b for _, b in ends], ctrl_b, opts))
         group.start()
         for _, b in ends:
@@ -69,9 +70,9 @@ class DistCluster:
         self.hosts[h] = host
         return host
 
-    async def start(self) -> DistCluster:
+    async def start(self, opts: dict[int, dict[str, Any]] | None = None) -> DistCluster:
         for h in self.layout_hosts:
-            self.spawn_host(h)
+            self.spawn_host(h, opts=(opts or {}).get(h))
         # Starting 2 relays that start their workers (each importing torch) is what takes
         # long on a small busy machine: more than the scheme's 30 s was seen at load 7 on 2 cores.
         await self.scheme.connect(timeout=50)

@@ -21,6 +21,9 @@ async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], c
     logging.basicConfig(level=logging.INFO, format=f"[host {host} %(relativeCreated)d ms] %(message)s")
     opts = dict(opts or {})
     kind = opts.pop("kind", "mlp")
+    die_at = opts.pop("die_in_broadcast_of", None)
+    if die_at is not None:
+        _die_in_broadcast_of(die_at)
     scheme = DistributedWeightSyncScheme(
         timeout=30, token=token, rank=host, world_size=3, master_addr="127.0.0.1", master_port=port, heartbeat=0.5, **opts
     )
@@ -72,3 +75,28 @@ async def dist_trainer(idx: int, port: int, token: str, report: Any) -> None:
     await scheme.send()
     report.send(("trainer-ready", scheme.version))
     await asyncio.Event().wait()  # until killed
+
+
+def _die_in_broadcast_of(version: int) -> None:
+    """Make this relay SIGKILL itself in the middle of the broadcast of *version*: once its
+    first chunk has arrived, with the others still in flight."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from asyncsync._relay import Relay
+
+    land = Relay._land
+
+    async def dying(self: Relay, op: Any) -> None:
+        if op.version == version and not op.p2p and self._group is not None:
+            group = self._group
+            first = torch.empty(min(group.chunk_bytes, self.local.layout.nbytes), dtype=torch.uint8)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            group.pg.broadcast([first], opts).wait()  # the broadcast is under way...
+            os.kill(os.getpid(), signal.SIGKILL)  # ...and this host dies in the middle of it
+        await land(self, op)
+
+    Relay._land = dying  # type: ignore[method-assign]
