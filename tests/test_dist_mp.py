@@ -103,7 +103,7 @@ async def test_burst_latest_wins_never_backwards_no_torn_forward(dc: DistCluster
         assert updates == sorted(set(updates)) and updates[-1] == last, (wid, updates)
         version, sd = await dc.state(wid)
         assert version == last and all_equal(sd, 29.0)
-    # latest wins on the network too: snapshots never exceed one per worker plus one
+    # latest wins on the network too: snapshots never exceed one per worker plus the one written
     assert dc.scheme.statistics().buffers <= len(ALL) + 1
 
 
