@@ -76,6 +76,28 @@ class DistributedWeightSyncScheme:
             to its relays, so keep it above your longest step.
         backend: ``"gloo"`` (default). ``"nccl"`` is refused for now (CUDA check first): the
             relay lands weights in CPU shared memory, which NCCL cannot write.
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:                      # a free port for the rendezvous store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
+        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        version = await trainer.send()            # every worker of every host applied it
+        print(version, trainer.sender.applied_versions())   # 1 {(1, 0): 1}
+        print(worker.version)                     # 1: the trainer's version number
+        await trainer.aclose()
+        await host.aclose()
+        await worker.aclose()
     """
 
     def __init__(

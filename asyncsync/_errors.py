@@ -100,6 +100,29 @@ class HostLostError(WorkerDiedError):
 
     ``host`` names the host, ``worker_idx`` the ``(host, local index)`` of the worker a
     wait was about, ``reason`` what the trainer saw (EOF, no heartbeat, a bad frame).
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:                      # a free port for the rendezvous store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
+        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        await host.aclose()                             # host 1 leaves (or dies)
+        try:
+            await trainer.send()
+        except HostLostError as exc:
+            print(exc.host, exc.worker_idx)       # 1 (1, 0)
+        await trainer.aclose()
+        await worker.aclose()
     """
 
     def __init__(self, host: int, worker_idx: object, reason: str, pid: int | None = None) -> None:
@@ -113,7 +136,28 @@ class HostLostError(WorkerDiedError):
 
 
 class AuthenticationError(BrokenChannelError):
-    """A control-plane peer did not prove it knows the shared token (or spoke no protocol)."""
+    """A control-plane peer did not prove it knows the shared token (or spoke no protocol).
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, token="s3cret", **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})
+        await trainer.sender.start()                   # listening; no host yet
+        host = DistributedWeightSyncScheme(rank=1, token="guess", **common)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        try:
+            await host.connect()
+        except AuthenticationError as exc:
+            print("refused:", exc)   # refused: host 1: the trainer at ... closed the connection during the handshake ...
+        await host.aclose()
+        await trainer.aclose()
+    """
 
 
 class CapacityError(AsyncSyncError):
