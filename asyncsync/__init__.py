@@ -11,11 +11,14 @@ Example::
         await scheme.send()
 """
 
+from ._distributed import DistributedWeightSyncScheme
 from ._errors import (
     AsyncSyncError,
+    AuthenticationError,
     BrokenChannelError,
     CapacityError,
     ClosedError,
+    HostLostError,
     ProtocolError,
     SenderDiedError,
     SyncTimeoutError,
@@ -32,7 +35,7 @@ from ._queues import AsyncQueue
 from ._receiver import Receiver
 from ._scheme import MultiProcessWeightSyncScheme
 from ._sender import Sender
-from ._stats import ReceiverStatistics, SenderStatistics, WorkerStatistics
+from ._stats import DistributedStatistics, HostStatistics, ReceiverStatistics, SenderStatistics, WorkerStatistics
 from ._workers import WorkerGroup, spawn_workers
 
 __version__ = "0.1.0"
@@ -40,9 +43,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncQueue",
     "AsyncSyncError",
+    "AuthenticationError",
     "BrokenChannelError",
     "CapacityError",
     "ClosedError",
+    "DistributedStatistics",
+    "DistributedWeightSyncScheme",
+    "HostLostError",
+    "HostStatistics",
     "Layout",
     "MultiProcessWeightSyncScheme",
     "ProtocolError",

@@ -7,9 +7,11 @@
     ├── WouldBlock             a ``*_nowait`` call found nothing to do
     ├── BrokenChannelError     the peer's end of a channel vanished
     │   ├── WorkerDiedError    a worker process died (sender side)
-    │   │   └── WorkerLeftError    its receiver ended while the process lives on
-    │   ├── SenderDiedError    the trainer died (worker side)
-    │   └── ProtocolError      a peer sent a malformed control message
+    │   │   ├── WorkerLeftError    its receiver ended while the process lives on
+    │   │   └── HostLostError      a remote host (its relay) is gone, with its workers
+    │   ├── SenderDiedError    the trainer died (worker or relay side)
+    │   ├── ProtocolError      a peer sent a malformed control message
+    │   └── AuthenticationError    a control-plane peer failed the token challenge
     ├── WeightsError           bad weights given to ``send`` (also ``ValueError``)
     ├── WorkerError            a worker rejected a payload; it kept its old weights
     ├── WorkerProcessError     a worker function started by ``spawn_workers`` raised
@@ -23,6 +25,8 @@ from collections.abc import Mapping
 
 __all__ = [
     "AsyncSyncError",
+    "AuthenticationError",
+    "HostLostError",
     "BrokenChannelError",
     "CapacityError",
     "ClosedError",
@@ -176,6 +180,71 @@ class WorkerLeftError(WorkerDiedError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), (self.worker_idx, self.reason, self.version, self.pid))
+
+
+class HostLostError(WorkerDiedError):
+    """A remote host's relay died, left or went silent: every worker of that host is gone.
+
+    ``host`` names the host, ``worker_idx`` the ``(host, local index)`` of the worker a
+    wait was about, ``reason`` what the trainer saw (EOF, no heartbeat, a bad frame).
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:                      # a free port for the rendezvous store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
+        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        await host.aclose()                             # host 1 leaves (or dies)
+        try:
+            await trainer.send()
+        except HostLostError as exc:
+            print(exc.host, exc.worker_idx)       # 1 (1, 0)
+        await trainer.aclose()
+        await worker.aclose()
+    """
+
+    def __init__(self, host: int, worker_idx: object, reason: str, pid: int | None = None) -> None:
+        self.host = host
+        super().__init__(worker_idx, None, pid, reason)  # type: ignore[arg-type]
+        relay = f"relay pid {pid}" if pid else "relay"
+        self.args = (f"host {host} ({relay}) is lost, and with it worker {worker_idx}: {reason}",)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.host, self.worker_idx, self.reason, self.pid))
+
+
+class AuthenticationError(BrokenChannelError):
+    """A control-plane peer did not prove it knows the shared token (or spoke no protocol).
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, token="s3cret", **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})
+        await trainer.sender.start()                   # listening; no host yet
+        host = DistributedWeightSyncScheme(rank=1, token="guess", **common)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        try:
+            await host.connect()
+        except AuthenticationError as exc:
+            print("refused:", exc)   # refused: host 1: the trainer at ... closed the connection during the handshake ...
+        await host.aclose()
+        await trainer.aclose()
+    """
 
 
 class CapacityError(AsyncSyncError):

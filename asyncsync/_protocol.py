@@ -31,6 +31,7 @@ from ._errors import ProtocolError
 from ._layout import Layout, TensorSpec
 
 __all__ = [
+    "HEADER_BYTES",
     "MAGIC",
     "MAX_ALIASES",
     "MAX_NDIM",
@@ -38,17 +39,27 @@ __all__ = [
     "MAX_SPECS",
     "MAX_STRING",
     "PROTOCOL_VERSION",
+    "MAX_TARGETS",
+    "NONCE_BYTES",
     "Ack",
+    "Auth",
+    "Beat",
     "Bye",
+    "Challenge",
+    "Group",
     "Hello",
+    "Lost",
     "MapSlots",
     "Message",
     "Receive",
     "Setup",
     "Staged",
     "Stop",
+    "Transfer",
+    "Welcome",
     "decode",
     "encode",
+    "payload_length",
 ]
 
 
@@ -124,7 +135,67 @@ class Bye(NamedTuple):
     reason: str
 
 
-Message = Hello | Setup | MapSlots | Receive | Stop | Ack | Staged | Bye
+# ---- the multi-host control plane (trainer <-> relay over TCP), same framing -------------
+
+
+class Challenge(NamedTuple):
+    """Trainer -> relay, first frame on a connection: prove you know the token."""
+
+    nonce: bytes  # 32 random bytes
+
+
+class Auth(NamedTuple):
+    """Relay -> trainer: ``mac = HMAC-SHA256(token, b"relay" + challenge nonce + host + num_workers)``;
+    ``nonce`` is the relay's own challenge for the trainer."""
+
+    host: int
+    num_workers: int
+    pid: int
+    nonce: bytes  # 32 bytes
+    mac: bytes  # 32 bytes
+
+
+class Welcome(NamedTuple):
+    """Trainer -> relay: ``mac = HMAC-SHA256(token, b"trainer" + the relay's nonce)``."""
+
+    mac: bytes  # 32 bytes
+
+
+class Beat(NamedTuple):
+    """Heartbeat, both ways: the connection is alive."""
+
+
+class Group(NamedTuple):
+    """Trainer -> relay: form weight-sync group ``generation`` as ``rank`` of ``size``;
+    transfers on it travel in chunks of ``chunk_bytes``."""
+
+    generation: int
+    rank: int
+    size: int
+    chunk_bytes: int
+
+
+class Transfer(NamedTuple):
+    """Trainer -> relay: the bytes of ``version`` follow on the group of ``generation``,
+    by broadcast (``p2p`` False) or a point-to-point send tagged ``tag``; publish them to
+    the local workers ``targets``."""
+
+    version: int
+    generation: int
+    p2p: bool
+    tag: int
+    targets: tuple[int, ...]
+
+
+class Lost(NamedTuple):
+    """Relay -> trainer: local worker ``worker_idx`` died (``exitcode``) or left (``reason``)."""
+
+    worker_idx: int
+    exitcode: int | None
+    reason: str
+
+
+Message = Hello | Setup | MapSlots | Receive | Stop | Ack | Staged | Bye | Challenge | Auth | Welcome | Beat | Group | Transfer | Lost
 
 # ------------------------------------------------------------------------ wire format
 
@@ -145,7 +216,26 @@ _MAX_I64 = (1 << 63) - 1
 
 # Message type codes (u8). Never renumber: add new types at the end.
 _HELLO, _SETUP, _MAP_SLOTS, _RECEIVE, _STOP, _ACK, _STAGED, _BYE = range(1, 9)
-_NAMES = {_HELLO: "Hello", _SETUP: "Setup", _MAP_SLOTS: "MapSlots", _RECEIVE: "Receive", _STOP: "Stop", _ACK: "Ack", _STAGED: "Staged", _BYE: "Bye"}
+_CHALLENGE, _AUTH, _WELCOME, _BEAT, _GROUP, _TRANSFER, _LOST = range(9, 16)
+_NAMES = {
+    _HELLO: "Hello",
+    _SETUP: "Setup",
+    _MAP_SLOTS: "MapSlots",
+    _RECEIVE: "Receive",
+    _STOP: "Stop",
+    _ACK: "Ack",
+    _STAGED: "Staged",
+    _BYE: "Bye",
+    _CHALLENGE: "Challenge",
+    _AUTH: "Auth",
+    _WELCOME: "Welcome",
+    _BEAT: "Beat",
+    _GROUP: "Group",
+    _TRANSFER: "Transfer",
+    _LOST: "Lost",
+}
+NONCE_BYTES = 32  # Challenge / Auth nonces and HMAC-SHA256 digests
+MAX_TARGETS = 1 << 16  # local workers named in one Transfer
 
 # Whole frames of the fixed-size messages, and fixed parts of the others (header included).
 _HELLO_S = struct.Struct(f"!{_HEAD}II")  # worker_idx u32, pid u32
@@ -160,6 +250,13 @@ _SETUP_S = struct.Struct(f"!{_HEAD}II")  # sender_pid u32, device length u32|Non
 _LAYOUT_S = struct.Struct("!QII")  # total nbytes u64, spec count u32, alias count u32
 _SPEC_S = struct.Struct("!BB")  # dtype code u8, ndim u8; then shape ndim x u64, offset u64, numel u64
 _U32 = struct.Struct("!I")
+_CHALLENGE_S = struct.Struct(f"!{_HEAD}32s")
+_AUTH_S = struct.Struct(f"!{_HEAD}III32s32s")  # host, num_workers, pid, nonce, mac
+_WELCOME_S = struct.Struct(f"!{_HEAD}32s")
+_BEAT_S = struct.Struct(f"!{_HEAD}")
+_GROUP_S = struct.Struct(f"!{_HEAD}IIIQ")  # generation, rank, size, chunk_bytes
+_TRANSFER_S = struct.Struct(f"!{_HEAD}qIBII")  # version, generation, p2p u8, tag, target count; then count x u32
+_LOST_S = struct.Struct(f"!{_HEAD}IBiI")  # worker_idx, has exit code u8, exit code i32, reason length; then the reason
 _SPEC_TAIL = [struct.Struct(f"!{n + 2}Q") for n in range(MAX_NDIM + 1)]  # shape..., offset, numel
 _MIN_SPEC = _U32.size + _SPEC_S.size + 16  # empty key, scalar
 _MIN_ALIAS = 2 * _U32.size
@@ -303,7 +400,63 @@ def _encode_setup(m: Setup) -> bytes:
     return b"".join(parts)
 
 
+def _nonce(value: bytes, field: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != NONCE_BYTES:
+        raise ValueError(f"field {field!r} must be {NONCE_BYTES} bytes")
+    return value
+
+
+def _encode_challenge(m: Challenge) -> bytes:
+    return _CHALLENGE_S.pack(MAGIC, PROTOCOL_VERSION, _CHALLENGE, _CHALLENGE_S.size - _H, _nonce(m.nonce, "nonce"))
+
+
+def _encode_auth(m: Auth) -> bytes:
+    return _AUTH_S.pack(
+        MAGIC, PROTOCOL_VERSION, _AUTH, _AUTH_S.size - _H, m.host, m.num_workers, m.pid, _nonce(m.nonce, "nonce"), _nonce(m.mac, "mac")
+    )
+
+
+def _encode_welcome(m: Welcome) -> bytes:
+    return _WELCOME_S.pack(MAGIC, PROTOCOL_VERSION, _WELCOME, _WELCOME_S.size - _H, _nonce(m.mac, "mac"))
+
+
+def _encode_beat(m: Beat) -> bytes:
+    return _BEAT_S.pack(MAGIC, PROTOCOL_VERSION, _BEAT, 0)
+
+
+def _encode_group(m: Group) -> bytes:
+    if not 0 <= m.rank < m.size:
+        raise ValueError(f"Group: rank {m.rank} is not in 0..{m.size - 1}")
+    if not 0 < m.chunk_bytes <= _MAX_I64:
+        raise ValueError(f"Group: chunk_bytes {m.chunk_bytes} must be positive")
+    return _GROUP_S.pack(MAGIC, PROTOCOL_VERSION, _GROUP, _GROUP_S.size - _H, m.generation, m.rank, m.size, m.chunk_bytes)
+
+
+def _encode_transfer(m: Transfer) -> bytes:
+    if len(m.targets) > MAX_TARGETS:
+        raise ValueError(f"Transfer: at most {MAX_TARGETS} targets, got {len(m.targets)}")
+    tail = struct.pack(f"!{len(m.targets)}I", *m.targets)
+    head = _TRANSFER_S.pack(
+        MAGIC, PROTOCOL_VERSION, _TRANSFER, _TRANSFER_S.size - _H + len(tail), m.version, m.generation, bool(m.p2p), m.tag, len(m.targets)
+    )
+    return head + tail
+
+
+def _encode_lost(m: Lost) -> bytes:
+    reason = _text(m.reason, "reason", shorten=True)
+    code = 0 if m.exitcode is None else m.exitcode
+    size = _LOST_S.size - _H + len(reason)
+    return _LOST_S.pack(MAGIC, PROTOCOL_VERSION, _LOST, size, m.worker_idx, m.exitcode is not None, code, len(reason)) + reason
+
+
 _ENCODERS: dict[type, Callable[..., bytes]] = {
+    Challenge: _encode_challenge,
+    Auth: _encode_auth,
+    Welcome: _encode_welcome,
+    Beat: _encode_beat,
+    Group: _encode_group,
+    Transfer: _encode_transfer,
+    Lost: _encode_lost,
     Hello: _encode_hello,
     Setup: _encode_setup,
     MapSlots: _encode_map_slots,
@@ -340,6 +493,28 @@ def _check_header(data: bytes) -> None:
     if length != n - _H:
         what = "truncated" if length > n - _H else "trailing bytes"
         raise _error(name, "length", f"{what}: the header announces {length} payload bytes, the frame holds {n - _H}")
+
+
+HEADER_BYTES = _H
+
+
+def payload_length(header: bytes, limit: int) -> int:
+    """The payload length announced by an 8-byte frame *header* (a stream transport reads
+    the header, then exactly this many bytes). Raises :class:`ProtocolError` for a wrong
+    magic, version or type, or a payload over *limit* bytes, before anything is read."""
+    if len(header) != _H:
+        raise _error("frame", "header", f"truncated: {len(header)} bytes, the header is {_H}")
+    magic, version, kind, length = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise _error("frame", "magic", f"{magic!r} is not {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise _error("frame", "version", f"protocol version {version} is not supported (this end speaks {PROTOCOL_VERSION})")
+    name = _NAMES.get(kind)
+    if name is None:
+        raise _error("frame", "type", f"unknown message type {kind}")
+    if length > limit:
+        raise _error(name, "length", f"{length} payload bytes, more than the {limit} allowed here")
+    return int(length)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:
@@ -568,7 +743,72 @@ def _no_trailing(data: bytes, pos: int, name: str, field: str) -> None:
         raise _error(name, field, f"trailing bytes: {len(data) - pos} after the last field")
 
 
+def _decode_challenge(data: bytes) -> Challenge:
+    _check_fixed(data, "Challenge", _CHALLENGE_S)
+    return Challenge(_CHALLENGE_S.unpack_from(data)[4])
+
+
+def _decode_auth(data: bytes) -> Auth:
+    _check_fixed(data, "Auth", _AUTH_S)
+    _, _, _, _, host, num_workers, pid, nonce, mac = _AUTH_S.unpack_from(data)
+    return Auth(host, num_workers, pid, nonce, mac)
+
+
+def _decode_welcome(data: bytes) -> Welcome:
+    _check_fixed(data, "Welcome", _WELCOME_S)
+    return Welcome(_WELCOME_S.unpack_from(data)[4])
+
+
+def _decode_beat(data: bytes) -> Beat:
+    _check_fixed(data, "Beat", _BEAT_S)
+    return Beat()
+
+
+def _decode_group(data: bytes) -> Group:
+    _check_fixed(data, "Group", _GROUP_S)
+    _, _, _, _, generation, rank, size, chunk_bytes = _GROUP_S.unpack_from(data)
+    if not rank < size:
+        raise _error("Group", "rank", f"rank {rank} is not in 0..{size - 1}")
+    if not 0 < chunk_bytes <= _MAX_I64:
+        raise _error("Group", "chunk_bytes", f"{chunk_bytes} is not a positive size")
+    return Group(generation, rank, size, chunk_bytes)
+
+
+def _decode_transfer(data: bytes) -> Transfer:
+    _check_fixed(data, "Transfer", _TRANSFER_S, exact=False)
+    _, _, _, _, version, generation, p2p, tag, count = _TRANSFER_S.unpack_from(data)
+    if p2p > 1:
+        raise _error("Transfer", "p2p", f"flag {p2p} is neither 0 nor 1")
+    if count > MAX_TARGETS:
+        raise _error("Transfer", "targets", f"{count} targets, more than {MAX_TARGETS}")
+    end = _TRANSFER_S.size + 4 * count
+    if end != len(data):
+        what = "truncated" if end > len(data) else "trailing bytes"
+        raise _error("Transfer", "targets", f"{what}: {count} targets need {end - _H} payload bytes, the frame holds {len(data) - _H}")
+    targets = struct.unpack_from(f"!{count}I", data, _TRANSFER_S.size)
+    if len(set(targets)) != count:
+        raise _error("Transfer", "targets", "a worker is named twice")
+    return Transfer(version, generation, p2p == 1, tag, targets)
+
+
+def _decode_lost(data: bytes) -> Lost:
+    _check_fixed(data, "Lost", _LOST_S, exact=False)
+    _, _, _, _, worker, has_code, code, nreason = _LOST_S.unpack_from(data)
+    if has_code > 1:
+        raise _error("Lost", "exitcode", f"flag {has_code} is neither 0 nor 1")
+    reason = _string(data, _LOST_S.size, nreason, len(data), "Lost", "reason")
+    _no_trailing(data, _LOST_S.size + nreason, "Lost", "reason")
+    return Lost(worker, code if has_code else None, reason)
+
+
 _DECODERS: dict[int, Callable[[bytes], Message]] = {
+    _CHALLENGE: _decode_challenge,
+    _AUTH: _decode_auth,
+    _WELCOME: _decode_welcome,
+    _BEAT: _decode_beat,
+    _GROUP: _decode_group,
+    _TRANSFER: _decode_transfer,
+    _LOST: _decode_lost,
     _HELLO: _decode_hello,
     _SETUP: _decode_setup,
     _MAP_SLOTS: _decode_map_slots,

@@ -18,7 +18,7 @@ import multiprocessing as mp
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Literal
@@ -98,6 +98,15 @@ class _Worker:
         self.pid: int | None = None
 
 
+class StillWriting(Exception):
+    """Raised by a ``publish_filled`` fill that gives up while its writer still runs;
+    ``done`` resolves once the buffer is no longer written."""
+
+    def __init__(self, message: str, done: asyncio.Future[None]) -> None:
+        super().__init__(message)
+        self.done = done
+
+
 class ModelRef:
     """A model looked up at every send (``context`` + ``model_id``), as torchrl does."""
 
@@ -171,6 +180,9 @@ class Sender:
         self._copy_future: Future[None] | None = None
         self._send_lock: asyncio.Lock | None = None
         self._known: dict[int, KnownSource] = {}  # id(source) -> its last validated tensors
+        # Called with each worker's answers and losses (a relay forwards them to its trainer).
+        self.on_ack: Callable[[int, Ack], None] | None = None
+        self.on_lost: Callable[[int, WorkerDiedError], None] | None = None
 
     # ----------------------------------------------------------------- channels
 
@@ -260,16 +272,17 @@ class Sender:
     def _applied(w: _Worker) -> int:
         return w.link.applied if w.link is not None else -1
 
+    def sent_version(self, worker_idx: int) -> int:
+        """The newest version sent to *worker_idx* (-1: none)."""
+        return self._sent(self._worker(worker_idx))
+
     def _sent(self, w: _Worker) -> int:
         """The newest version sent to *w* (-1: none)."""
         latest = self._ledger.latest.get(w.idx)
         return -1 if latest is None else latest.version
 
-    async def connect(self, timeout: Timeout | object = ..., weights: Any = None) -> int:
-        """Start watching the workers, send the initial weights, wait for every ack.
-
-        If the wait times out, calling ``connect()`` again waits for the same initial version.
-        """
+    def start(self) -> None:
+        """Open the slots and start watching the workers, without sending anything yet."""
         if self._state not in ("new", "running"):
             raise ClosedError("the sender is closed")
         if self._state == "new":
@@ -281,6 +294,66 @@ class Sender:
                 assert w.link is not None
                 self._ledger.connect(w.idx)
                 self._start_tasks(w, w.link, loop)
+
+    async def publish_filled(
+        self, fill: Callable[[torch.Tensor], Awaitable[None]], version: int, worker_ids: int | Iterable[int] | None = None
+    ) -> None:
+        """Publish *version* whose bytes ``await fill(buffer)`` writes straight into a slot.
+
+        For a relay: *buffer* is the slot itself (a uint8 tensor of the wire layout), so
+        weights received from the network land in shared memory without another copy.
+        *version* must be at least the newest version sent, and newer than what each
+        target was sent (one version may be published in several slots, to different
+        workers, as a partial update does). If *fill* raises, the slot is released and
+        nothing is published.
+        """
+        self._check_running()
+        targets = self._targets(worker_ids)
+        if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):
+            raise ValueError(f"version {version} is older than the newest sent ({self._version}) or was already sent to one of {targets}")
+        assert self._send_lock is not None
+        async with self._send_lock:
+            self._check_running()
+            slot = await self._acquire_slot(None)
+            try:
+                await fill(self._pool.views_buffer(slot))
+            except StillWriting as exc:
+                # Abandoned while something (a network receive) still writes the slot: it
+                # stays reserved, off the books, until that is done.
+                slot.copying = True
+
+                def done(_f: object) -> None:
+                    slot.copying = False
+                    self._ledger.unreserve(slot.id)
+                    if self._state != "closed":
+                        self._release_unused()
+                    self._changed.notify()
+
+                exc.done.add_done_callback(done)
+                raise
+            except BaseException:
+                self._ledger.unreserve(slot.id)
+                self._release_unused()
+                self._changed.notify()
+                raise
+            if version > self._version:
+                self._sends += 1
+            self._version = version
+            self._bytes += self._layout.nbytes
+            self._ledger.publish(slot.id, version, targets)
+            for i in targets:
+                self._workers[i].sends += 1
+            for i in targets:
+                self._pump(self._workers[i])
+            self._release_unused()
+            self._changed.notify()
+
+    async def connect(self, timeout: Timeout | object = ..., weights: Any = None) -> int:
+        """Start watching the workers, send the initial weights, wait for every ack.
+
+        If the wait times out, calling ``connect()`` again waits for the same initial version.
+        """
+        self.start()
         deadline = _deadline(self._limit(timeout))
         if self._version < 0:
             await self.send_async(weights, timeout=_remaining(deadline))
@@ -468,14 +541,16 @@ class Sender:
             workers=tuple(workers),
         )
 
-    async def aclose(self, timeout: float = 10.0) -> None:
+    async def aclose(self, timeout: float = 10.0, *, stop: bool = True) -> None:
         """Stop every receiver, wait (bounded) for them to end, release everything. Idempotent.
 
         Every waiter (``send``, ``send_async``, ``wait_async``) wakes with :class:`ClosedError`.
+        ``stop=False`` closes the channels without ``Stop``: the receivers end with
+        :class:`SenderDiedError` (a relay whose trainer died passes that on).
         """
         if self._state == "closed":
             return
-        was_running = self._state == "running"
+        was_running = self._state == "running" and stop
         self._state = "closing"
         self._changed.notify()
         with anyio.CancelScope(shield=True):
@@ -772,6 +847,8 @@ class Sender:
 
     def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
         self._ledger.on_ack(w.idx, ack.version, ack.ok, ack.holds)
+        if self.on_ack is not None:
+            self.on_ack(w.idx, ack)
         link.responded = max(link.responded, ack.version)
         if ack.ok:
             link.applied = max(link.applied, ack.version)
@@ -824,6 +901,8 @@ class Sender:
             w.death = WorkerDiedError(w.idx, w.exitcode, link.pid)
             w.process = None
             self._drop_sentinel(w)
+        if self.on_lost is not None and w.death is not None and w.state in ("dead", "left"):
+            self.on_lost(w.idx, w.death)
         if broken is not None:
             # Its process may still view the slots it held: they are never written again.
             self._ledger.retire(w.idx)

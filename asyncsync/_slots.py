@@ -77,6 +77,10 @@ class SlotPool:
             slot.views = self.layout.views(slot.segment.buf)
         return slot.views
 
+    def views_buffer(self, slot: Slot) -> torch.Tensor:
+        """The whole slot as one uint8 tensor of ``layout.nbytes`` (it views the shared memory)."""
+        return slot.segment.buf[: self.layout.nbytes]
+
     def acquire(self) -> Slot | None:
         """Reserve a slot nobody holds (allocating one if allowed), or None: wait for releases."""
         assert self.ledger is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SenderStatistics", "WorkerStatistics", "ReceiverStatistics"]
+__all__ = ["DistributedStatistics", "HostStatistics", "ReceiverStatistics", "SenderStatistics", "WorkerStatistics"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class WorkerStatistics:
             await worker.aclose()
     """
 
-    worker_idx: int
+    worker_idx: int | tuple[int, int]
     state: str
     pid: int | None
     exitcode: int | None
@@ -99,7 +99,7 @@ class SenderStatistics:
     last_copy_ms: float
     workers: tuple[WorkerStatistics, ...]
 
-    def worker(self, worker_idx: int) -> WorkerStatistics:
+    def worker(self, worker_idx: int | tuple[int, int]) -> WorkerStatistics:
         for w in self.workers:
             if w.worker_idx == worker_idx:
                 return w
@@ -148,3 +148,113 @@ class ReceiverStatistics:
     last_commit_ms: float
     callback_errors: int = 0
     last_callback_error: str | None = None
+
+
+@dataclass(frozen=True)
+class HostStatistics:
+    """One remote host (its relay) as the trainer sees it.
+
+    Attributes:
+        host: the host's id. state: ``"waiting"``, ``"connected"``, ``"dead"`` (its
+            connection ended: EOF, no heartbeat, a malformed frame), ``"left"`` (its relay
+            said goodbye) or ``"stopped"``. pid / peer: its relay's process id and address.
+        connections: how many times it connected (a restarted host counts again).
+        delivered_version: newest version whose bytes reached it (-1: none).
+        pending_versions: versions waiting to be transferred to it (latest wins per worker).
+        reason: why it was lost, or None.
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:                      # a free port for the rendezvous store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
+        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        await host.aclose()                             # host 1 leaves
+        await trainer.sender.wait_lost(1, timeout=10)
+        h = trainer.statistics().host(1)
+        print(h.state, h.connections, h.reason)   # left 1 its relay left: the relay closed
+        await trainer.aclose()
+        await worker.aclose()
+    """
+
+    host: int
+    state: str
+    pid: int | None
+    peer: str | None
+    connections: int
+    delivered_version: int
+    pending_versions: tuple[int, ...]
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class DistributedStatistics:
+    """The trainer's view of a multi-host group.
+
+    Attributes:
+        version: newest version sent (-1 before ``connect``). sends: sends published.
+        bytes_sent: bytes the trainer put on the network so far (one copy per host, counted
+            when a transfer is issued); last_send_bytes: bytes of the last transfer issued
+            (``buffer_bytes x hosts``).
+        buffers / buffer_bytes: wire buffers (snapshots) allocated, and the size of one.
+        last_copy_ms: time the last send spent copying weights into its buffer.
+        generation / members: the weight-sync group now formed, and the hosts in it.
+        hosts: one :class:`HostStatistics` per host. workers: one :class:`WorkerStatistics`
+            per worker, ``worker_idx`` being ``(host, local index)``.
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:                      # a free port for the rendezvous store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
+        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        await trainer.send()
+        stats = trainer.statistics()
+        print(stats.version, stats.members, stats.last_send_bytes == stats.buffer_bytes)   # 1 (1,) True
+        print(stats.worker((1, 0)).applied_version)   # 1
+        await trainer.aclose()
+        await host.aclose()
+        await worker.aclose()
+    """
+
+    version: int
+    sends: int
+    bytes_sent: int
+    last_send_bytes: int
+    buffers: int
+    buffer_bytes: int
+    last_copy_ms: float
+    generation: int
+    members: tuple[int, ...]
+    hosts: tuple[HostStatistics, ...]
+    workers: tuple[WorkerStatistics, ...]
+
+    def worker(self, worker_idx: tuple[int, int]) -> WorkerStatistics:
+        for w in self.workers:
+            if w.worker_idx == worker_idx:
+                return w
+        raise KeyError(worker_idx)
+
+    def host(self, host: int) -> HostStatistics:
+        for h in self.hosts:
+            if h.host == host:
+                return h
+        raise KeyError(host)

@@ -54,8 +54,11 @@ def parser() -> argparse.ArgumentParser:
         "--transports",
         type=_csv,
         default=None,
-        help="comma-separated: shm,queue,torchrl-mp,torchrl-shared (default: all available)",
+        help="comma-separated: shm,queue,torchrl-mp,torchrl-shared,dist-gloo (default: all available but dist-gloo; "
+        "dist-gloo: the multi-host scheme on loopback, --hosts relays with --workers workers each, against a raw "
+        "gloo broadcast of the same bytes)",
     )
+    p.add_argument("--hosts", type=int, default=2, help="dist-gloo: simulated hosts (relay processes), default 2")
     p.add_argument(
         "--params",
         type=_specs,
@@ -101,6 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--repeats must be >= 1", file=sys.stderr)
         return 2
     transports = args.transports
+    dist = transports is not None and "dist-gloo" in transports
+    if dist:
+        transports = [t for t in transports if t != "dist-gloo"] or None
+        if args.hosts < 1:
+            print("--hosts must be >= 1", file=sys.stderr)
+            return 2
     if transports is not None:
         known = ("shm", "queue", "torchrl-mp", "torchrl-shared")
         bad = [t for t in transports if t not in known]
@@ -124,6 +133,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"# warning: load average {load[0]:.2f} on {machine['cores']} cores: other processes are busy, numbers will be noisy",
             file=sys.stderr,
         )
+    if dist:
+        from asyncsync.bench._dist import dist_markdown, run_dist_rows
+
+        dist_rows = run_dist_rows(args.params, args.hosts, args.workers, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        sys.stdout.write(dist_markdown(dist_rows))
+        sys.stdout.flush()
+        if args.json:
+            import json
+
+            with open(args.json, "w") as fh:
+                json.dump({"machine": machine, "rows": dist_rows}, fh, indent=1)
+            print(f"wrote {args.json}", file=sys.stderr)
+        if transports is None:
+            return 0
     rows = run_benchmark(
         transports,
         args.params,

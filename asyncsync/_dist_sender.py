@@ -1,0 +1,827 @@
+"""The trainer side of the multi-host scheme: hosts, network transfers, acks from afar.
+
+Each remote host has one relay, connected over an authenticated TCP control stream and a
+member of the current weight-sync group (:class:`~._dataplane.SyncGroup`, rank 0 is the
+trainer). A send copies the weights once into a flat wire buffer (the snapshot), then
+the *pump* task moves it: one network transfer per host, a ``broadcast`` when the version
+goes to every member of the group, point-to-point sends otherwise. Each relay lands the
+bytes in a local shared-memory slot and fans them out to its workers; their acks come
+back over the control stream, so versions, ``worker_ids``, quorum waits and statistics
+name global workers ``(host, local index)``.
+
+Latest wins per worker, as locally: a worker that has not received version v when v+1
+is sent for it only ever gets v+1. Buffers are held only by the workers whose newest
+version they carry and by a transfer in progress, so at most ``W + 1`` exist (one, two
+in the usual case where every send goes to everybody).
+A host whose control connection ends (EOF, no heartbeat, a malformed frame) is declared
+lost at once, with every one of its workers; the group is re-formed from the survivors
+(a new store prefix, a new generation) and the next transfer goes to the living. A host
+that connects again joins a new generation and gets each of its workers' newest version
+before anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from collections.abc import Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import anyio
+import torch
+
+from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
+from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
+from ._errors import (
+    AuthenticationError,
+    BrokenChannelError,
+    ClosedError,
+    HostLostError,
+    ProtocolError,
+    SyncTimeoutError,
+    WeightsError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerLeftError,
+)
+from ._layout import Layout
+from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
+from ._sender import ModelRef
+from ._signal import Signal
+from ._staging import copy_tensors
+from ._stats import DistributedStatistics, HostStatistics, WorkerStatistics
+from ._strategy import KnownSource, to_flat, validate
+
+__all__ = ["DistSender", "WorkerId", "unless"]
+
+logger = logging.getLogger("asyncsync")
+
+WorkerId = tuple[int, int]
+T = TypeVar("T")
+_THREAD_COPY_BYTES = 4 << 20
+
+
+class _Buf:
+    """One flat wire buffer: the snapshot of one version."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.tensor = torch.empty(layout.nbytes, dtype=torch.uint8)
+        self.views = layout.views(self.tensor)
+        self.version = -1
+        self.serial = -1  # which write this is (a buffer is reused)
+        self.owners = 0  # workers whose newest version this is
+        self.transfers = 0  # network transfers still reading it
+
+
+class _RemoteWorker:
+    def __init__(self, wid: WorkerId) -> None:
+        self.wid = wid
+        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.latest: _Buf | None = None
+        self.sent = -1
+        self.applied = -1
+        self.responded = -1
+        self.rejected = -1
+        self.last_error: str | None = None
+        self.stage_s = self.commit_s = 0.0
+        self.death: WorkerDiedError | None = None
+        self.exitcode: int | None = None
+
+    def reset(self) -> None:
+        """A new connection of its host: nothing it answered before counts."""
+        self.state = "waiting"
+        self.applied = self.responded = self.rejected = -1
+        self.last_error = None
+        self.death = None
+        self.exitcode = None
+
+
+class _Host:
+    def __init__(self, idx: int, num_workers: int) -> None:
+        self.idx = idx
+        self.num_workers = num_workers
+        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.stream: ControlStream | None = None
+        self.pid: int | None = None
+        self.peer: str | None = None
+        self.connections = 0
+        self.reason: str | None = None
+        self.workers = {i: _RemoteWorker((idx, i)) for i in range(num_workers)}
+        # (version, buffer serial) -> (buffer, local targets). One version may need several
+        # buffers on one host: a partial update completed from different bases per worker.
+        self.pending: dict[tuple[int, int], tuple[_Buf, set[int]]] = {}
+        self.delivered = -1
+        self.tasks: list[asyncio.Task[None]] = []
+
+
+class DistSender:
+    """Pushes weights to workers on remote hosts; created by ``init_on_sender``."""
+
+    def __init__(
+        self,
+        *,
+        hosts: Mapping[int, int],
+        source_layout: Layout,
+        wire_layout: Layout,
+        source: Any,
+        store: Any,
+        token: bytes,
+        bind: str,
+        port: int,
+        sync: bool,
+        timeout: float | None,
+        on_worker_error: str,
+        check_finite: bool,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        heartbeat: float = 1.0,
+        silence_timeout: float | None = None,
+        backend: str = "gloo",
+    ) -> None:
+        self._source_layout = source_layout
+        self._layout = wire_layout
+        self._source = source
+        self._store = store
+        self._token = token
+        self._bind = bind
+        self._port = port
+        self.sync = sync
+        self.timeout = timeout
+        self.on_worker_error = on_worker_error
+        self.check_finite = check_finite
+        self.chunk_bytes = chunk_bytes
+        self.heartbeat = heartbeat
+        self.silence_timeout = silence_timeout
+        self.backend = backend
+        self._hosts = {h: _Host(h, n) for h, n in sorted(hosts.items())}
+        self._workers: dict[WorkerId, _RemoteWorker] = {w.wid: w for h in self._hosts.values() for w in h.workers.values()}
+        self._bufs: list[_Buf] = []
+        self._serial = 0
+        self._known: KnownSource | None = None
+        self._state = "new"
+        self._version = -1
+        self._sends = 0
+        self._bytes_sent = 0
+        self._last_send_bytes = 0
+        self._last_copy_s = 0.0
+        self._changed = Signal()
+        self._send_lock: asyncio.Lock | None = None
+        self._server: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._group: SyncGroup | None = None
+        self._members: list[int] = []
+        self._generation = 0
+        self._regroup = True
+        self._tag = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self.address: tuple[str, int] | None = None
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def worker_ids(self) -> list[WorkerId]:
+        return list(self._workers)
+
+    @property
+    def hosts(self) -> list[int]:
+        return list(self._hosts)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def applied_versions(self) -> dict[WorkerId, int]:
+        return {wid: w.applied for wid, w in self._workers.items()}
+
+    async def start(self) -> None:
+        """Listen for relays (on ``bind``) and publish the address in the store."""
+        if self._state != "new":
+            if self._state != "running":
+                raise ClosedError("the sender is closed")
+            return
+        self._state = "running"
+        self._send_lock = asyncio.Lock()
+        self._server = await asyncio.start_server(self._accept, self._bind, self._port)
+        sock = self._server.sockets[0].getsockname()
+        self.address = (self._bind, int(sock[1]))
+        self._store.set("control", f"{self._bind}:{sock[1]}")  # rank 0 hosts the store: a local call
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._pump(), name="asyncsync-dist-pump"))
+
+    async def connect(self, timeout: float | None | object = ..., weights: Any = None) -> int:
+        """Start, send version 0 to every worker of every host, wait for every ack."""
+        await self.start()
+        deadline = _deadline(self._limit(timeout))
+        if self._version < 0:
+            await self.send_async(weights)
+        await self.wait_async(version=0, timeout=_remaining(deadline), what="connect")
+        return 0
+
+    async def send(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: float | None | object = ...) -> int:
+        targets = self._targets(worker_ids)
+        deadline = _deadline(self._limit(timeout))
+        version = await self.send_async(weights, targets, partial=partial)
+        if self.sync:
+            await self.wait_async(version, targets, timeout=_remaining(deadline), what=f"send of version {version}")
+        return version
+
+    async def send_async(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: float | None | object = ...) -> int:
+        """Snapshot *weights* into a wire buffer and hand it to the transfer task."""
+        self._check_running()
+        targets = self._targets(worker_ids)
+        if self.on_worker_error == "raise":
+            for wid in targets:
+                w = self._workers[wid]
+                if w.state in ("dead", "left") and w.death is not None:
+                    raise w.death
+        flat = self._flat(weights, partial)
+        assert self._send_lock is not None
+        async with self._send_lock:
+            self._check_running()
+            by_base: dict[int, tuple[_Buf | None, list[WorkerId]]] = {}
+            full = len(flat) == len(self._source_layout.specs)
+            for wid in targets:
+                base = None if full else self._workers[wid].latest
+                if not full and base is None:
+                    raise WeightsError(f"a partial update needs full weights first; worker {wid} has none")
+                by_base.setdefault(id(base), (base, []))[1].append(wid)
+            version = self._version + 1
+            written: list[tuple[_Buf, list[WorkerId]]] = []
+            try:
+                for base, members in by_base.values():
+                    buf = self._free_buf()
+                    buf.transfers += 1  # reserved until assigned: the next group must not take it
+                    written.append((buf, members))
+                    await self._write(buf, flat, base)
+                    buf.version = version
+                    self._serial += 1
+                    buf.serial = self._serial
+            except BaseException:
+                for buf, _ in written:
+                    buf.transfers -= 1
+                raise
+            self._version = version
+            self._sends += 1
+            for buf, members in written:
+                for wid in members:
+                    self._assign(self._workers[wid], buf)
+                buf.transfers -= 1
+            self._changed.notify()
+        return version
+
+    async def wait_async(
+        self,
+        version: int | None = None,
+        worker_ids: Any = None,
+        *,
+        quorum: int | None = None,
+        timeout: float | None | object = ...,
+        what: str | None = None,
+    ) -> None:
+        """Wait until the targeted workers applied *version* (see the local scheme)."""
+        if self._state == "closed":
+            raise ClosedError("the sender is closed")
+        if version is not None and version > self._version:
+            raise ValueError(f"version {version} was not sent yet (the newest is {self._version})")
+        targets = self._targets(worker_ids)
+        wanted = {wid: (self._workers[wid].sent if version is None else version) for wid in targets}
+        wanted = {wid: v for wid, v in wanted.items() if v >= 0 and self._workers[wid].sent >= v}
+        need = len(wanted) if quorum is None else quorum
+        if need > len(wanted):
+            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
+        limit = self._limit(timeout)
+
+        def settled() -> bool:
+            if self._settled(wanted, need, quorum is not None):
+                return True
+            if self._state == "closed":
+                raise ClosedError("the sender was closed while waiting")
+            return False
+
+        if not await self._changed.wait_until(settled, limit):
+            pending = {wid: self._workers[wid].applied for wid, v in wanted.items() if self._workers[wid].applied < v}
+            raise SyncTimeoutError(what or "wait_async", pending, limit)  # type: ignore[arg-type]
+
+    def _settled(self, wanted: dict[WorkerId, int], need: int, quorum: bool) -> bool:
+        done = open_ = 0
+        failure: BaseException | None = None
+        for wid, v in wanted.items():
+            w = self._workers[wid]
+            if w.state == "connected" and w.applied >= v:
+                done += 1
+            elif w.state == "connected" and w.responded >= v:
+                failure = failure or WorkerError(wid, w.rejected, w.last_error or "rejected")  # type: ignore[arg-type]
+            elif w.state in ("dead", "left"):
+                if self.on_worker_error == "skip" and not quorum:
+                    done += 1
+                else:
+                    assert w.death is not None
+                    failure = failure or w.death
+            elif w.state == "stopped":
+                failure = failure or ClosedError(f"worker {wid} stopped before applying version {v}")
+            else:
+                open_ += 1
+        if done >= need:
+            return True
+        if failure is not None and (not quorum or done + open_ < need):
+            raise failure
+        return False
+
+    async def wait_joined(self, host: int, timeout: float | None = None) -> None:
+        """Wait until *host* is connected and each of its workers answered its newest version."""
+        h = self._host(host)
+
+        def joined() -> bool:
+            if self._state != "running":
+                raise ClosedError("the sender is closed")
+            return h.state == "connected" and all(w.state == "connected" and w.responded >= w.sent for w in h.workers.values())
+
+        if not await self._changed.wait_until(joined, timeout):
+            raise SyncTimeoutError(f"waiting for host {host} to join", {w.wid: w.applied for w in h.workers.values()}, timeout)  # type: ignore[misc]
+
+    async def wait_lost(self, host: int, timeout: float | None = None) -> None:
+        """Wait until the trainer has declared *host* lost."""
+        h = self._host(host)
+        if not await self._changed.wait_until(lambda: h.state in ("dead", "left", "stopped") or self._state != "running", timeout):
+            raise SyncTimeoutError(f"waiting for host {host} to be declared lost", {}, timeout)
+
+    def statistics(self) -> DistributedStatistics:
+        workers = []
+        for wid, w in self._workers.items():
+            h = self._hosts[wid[0]]
+            workers.append(
+                WorkerStatistics(
+                    worker_idx=wid,
+                    state=w.state,
+                    pid=None,
+                    exitcode=w.exitcode,
+                    sent_version=w.sent,
+                    applied_version=w.applied,
+                    lag=max(self._version - w.applied, 0) if w.sent >= 0 else 0,
+                    last_error=w.last_error,
+                    stage_ms=w.stage_s * 1e3,
+                    commit_ms=w.commit_s * 1e3,
+                    generation=h.connections,
+                    in_flight_version=None,
+                    reason=w.death.reason if w.death is not None else None,
+                )
+            )
+        hosts = tuple(
+            HostStatistics(
+                host=h.idx,
+                state=h.state,
+                pid=h.pid,
+                peer=h.peer,
+                connections=h.connections,
+                delivered_version=h.delivered,
+                pending_versions=tuple(sorted({v for v, _ in h.pending})),
+                reason=h.reason,
+            )
+            for h in self._hosts.values()
+        )
+        return DistributedStatistics(
+            version=self._version,
+            sends=self._sends,
+            bytes_sent=self._bytes_sent,
+            last_send_bytes=self._last_send_bytes,
+            buffers=len(self._bufs),
+            buffer_bytes=self._layout.nbytes,
+            last_copy_ms=self._last_copy_s * 1e3,
+            generation=self._generation,
+            members=tuple(self._members),
+            hosts=hosts,
+            workers=tuple(workers),
+        )
+
+    async def aclose(self, timeout: float = 10.0) -> None:
+        """``Stop`` every relay (they stop their workers), wait (bounded), release everything."""
+        if self._state == "closed":
+            return
+        was_running = self._state == "running"
+        self._state = "closing"
+        self._changed.notify()
+        with anyio.CancelScope(shield=True):
+            if was_running:
+                for h in self._hosts.values():
+                    if h.state == "connected" and h.stream is not None:
+                        try:
+                            h.stream.send(Stop())
+                        except BrokenChannelError:
+                            pass
+                await self._changed.wait_until(lambda: all(h.state != "connected" for h in self._hosts.values()), timeout)
+            self._state = "closed"
+            self._changed.notify()
+            if self._server is not None:
+                self._server.close()
+            tasks = self._tasks + [t for h in self._hosts.values() for t in h.tasks]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks = []
+            for h in self._hosts.values():
+                h.tasks = []
+                if h.stream is not None:
+                    await h.stream.aclose()
+                    h.stream = None
+            if self._server is not None:
+                await self._server.wait_closed()
+                self._server = None
+            if self._group is not None:
+                self._group.close()
+                self._group = None
+            if self._executor is not None:
+                ex, self._executor = self._executor, None
+                ex.shutdown(wait=True)
+            self._bufs = []
+            self._store = None
+            for w in self._workers.values():
+                w.latest = None
+            for h in self._hosts.values():
+                h.pending.clear()
+
+    # ----------------------------------------------------------------- sends
+
+    def _limit(self, timeout: float | None | object) -> float | None:
+        return self.timeout if timeout is ... else timeout  # type: ignore[return-value]
+
+    def _check_running(self) -> None:
+        if self._state == "new":
+            raise RuntimeError("call `await scheme.connect()` before sending")
+        if self._state != "running":
+            raise ClosedError("the sender is closed")
+
+    def _host(self, host: int) -> _Host:
+        try:
+            return self._hosts[host]
+        except KeyError:
+            raise ValueError(f"unknown host {host!r}; hosts are {sorted(self._hosts)}") from None
+
+    def _targets(self, worker_ids: Any) -> list[WorkerId]:
+        """``None`` (all), a ``(host, local)`` pair, or a list of them."""
+        if worker_ids is None:
+            return list(self._workers)
+        ids = [worker_ids] if isinstance(worker_ids, tuple) else list(worker_ids)
+        out: list[WorkerId] = []
+        for wid in ids:
+            if not (isinstance(wid, tuple) and len(wid) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in wid)):
+                raise TypeError(f"worker id {wid!r} is not a (host, local index) pair")
+            if wid not in self._workers:
+                raise ValueError(f"unknown worker id {wid!r}; workers are {sorted(self._workers)}")
+            out.append(wid)
+        if not out:
+            raise ValueError("worker_ids is empty")
+        return list(dict.fromkeys(out))
+
+    def _flat(self, weights: Any, partial: bool) -> dict[str, torch.Tensor] | Any:
+        if weights is None:
+            source = self._source.resolve() if isinstance(self._source, ModelRef) else self._source
+            known = self._known
+            flat = known.current() if known is not None and known.obj is source else None
+            if flat is None:
+                flat = to_flat(source, self._source_layout)
+                validate(flat, self._source_layout, check_finite=self.check_finite, wire_layout=self._layout)
+                self._known = KnownSource.of(source, flat)
+            elif self.check_finite:
+                validate(flat, self._source_layout, check_finite=True, wire_layout=self._layout)
+            return flat
+        flat = to_flat(weights, self._source_layout)
+        if not flat:
+            raise WeightsError("the weights hold no tensors")
+        validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite, wire_layout=self._layout)
+        return flat
+
+    def _free_buf(self) -> _Buf:
+        for buf in self._bufs:
+            if buf.owners == 0 and buf.transfers == 0:
+                return buf
+        buf = _Buf(self._layout)
+        self._bufs.append(buf)
+        return buf
+
+    async def _write(self, buf: _Buf, flat: Any, base: _Buf | None) -> None:
+        keys = self._layout.keys
+        dst = [buf.views[k] for k in keys]
+        src = [flat[k] if k in flat else base.views[k] for k in keys]  # type: ignore[union-attr]
+        t0 = time.perf_counter()
+        if self._layout.nbytes < _THREAD_COPY_BYTES:
+            copy_tensors(dst, src)
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
+            cfut = self._executor.submit(copy_tensors, dst, src)
+            await asyncio.shield(asyncio.wrap_future(cfut))
+        self._last_copy_s = time.perf_counter() - t0
+
+    def _assign(self, w: _RemoteWorker, buf: _Buf) -> None:
+        """*buf* is *w*'s newest version: it replaces whatever older one was waiting."""
+        old = w.latest
+        if old is not None:
+            old.owners -= 1
+        w.latest = buf
+        buf.owners += 1
+        w.sent = buf.version
+        h = self._hosts[w.wid[0]]
+        local = w.wid[1]
+        for key in list(h.pending):
+            targets = h.pending[key][1]
+            targets.discard(local)
+            if not targets:
+                del h.pending[key]
+        h.pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
+
+    # ----------------------------------------------------------------- the pump
+
+    async def _pump(self) -> None:
+        """Form the group when membership changed, then move pending versions to hosts."""
+        while self._state == "running":
+            await self._changed.wait_until(lambda: self._state != "running" or self._work_to_do(), None)
+            if self._state != "running":
+                return
+            if self._regroup:
+                await self._form_group()
+                continue
+            await self._transfer_next()
+
+    def _connected(self) -> list[int]:
+        return [h.idx for h in self._hosts.values() if h.state == "connected"]
+
+    def _work_to_do(self) -> bool:
+        if self._regroup:
+            return bool(self._connected()) or bool(self._members)
+        return any(self._hosts[h].pending and self._hosts[h].state == "connected" for h in self._members)
+
+    async def _form_group(self) -> None:
+        self._regroup = False
+        members = self._connected()
+        self._generation += 1
+        gen = self._generation
+        if self._group is not None:
+            self._group.close(background=True)
+            self._group = None
+        self._members = []
+        if not members:
+            return
+        size = len(members) + 1
+        for rank, host in enumerate(members, start=1):
+            stream = self._hosts[host].stream
+            assert stream is not None
+            try:
+                stream.send(Group(gen, rank, size, self.chunk_bytes))
+            except BrokenChannelError:
+                pass  # its reader reports it
+        create = SyncGroup.create(
+            self._store, gen, 0, size, timeout=self._group_timeout(), chunk_bytes=self.chunk_bytes, backend=self.backend, hostname=self._bind
+        )
+        try:
+            # A member lost during the rendezvous would hold it up until the timeout: give up
+            # on this generation as soon as membership changes, and form the next one.
+            group = await unless(create, self._changed.wait_until(lambda: self._regroup or self._state != "running", None))
+        except Exception as exc:
+            logger.warning("asyncsync: weight-sync group generation %d with hosts %s failed to form (%r); retrying", gen, members, exc)
+            self._regroup = True
+            return
+        if group is None:
+            logger.info("asyncsync: weight-sync group generation %d abandoned: the hosts changed while it formed", gen)
+            return
+        if self._regroup or self._state != "running":
+            group.close()  # membership changed meanwhile: form the next generation
+            return
+        self._group = group
+        self._members = members
+        logger.info("asyncsync: weight-sync group generation %d: trainer + hosts %s", gen, members)
+
+    def _group_timeout(self) -> float:
+        return self.timeout if self.timeout is not None else 300.0
+
+    async def _transfer_next(self) -> None:
+        """Move the oldest pending version: a broadcast if every member waits for it."""
+        group = self._group
+        assert group is not None
+        key = min(k for h in self._members for k in self._hosts[h].pending if self._hosts[h].state == "connected")
+        hosts = [h for h in self._members if key in self._hosts[h].pending and self._hosts[h].state == "connected"]
+        buf = self._hosts[hosts[0]].pending[key][0]
+        version = key[0]
+        p2p = set(hosts) != set(self._members)
+        self._tag = (self._tag + 1) % (1 << 20)
+        tag = self._tag * 2048
+        for h in hosts:
+            stream = self._hosts[h].stream
+            assert stream is not None
+            try:
+                stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(self._hosts[h].pending[key][1]))))
+            except BrokenChannelError:
+                pass
+        buf.transfers += 1
+        # Counted when issued: the bytes leave now (a worker may ack before the trainer's
+        # side of the operation reports completion).
+        self._last_send_bytes = self._layout.nbytes * len(hosts)
+        self._bytes_sent += self._last_send_bytes
+
+        def release() -> None:
+            buf.transfers -= 1
+
+        try:
+            if p2p:
+                ranks = {h: self._members.index(h) + 1 for h in hosts}
+                left = [len(hosts)]
+
+                def release_one() -> None:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        release()
+
+                await asyncio.gather(*(group.send(buf.tensor, ranks[h], tag, release_one) for h in hosts))
+            else:
+                await group.broadcast(buf.tensor, 0, release)
+        except BrokenChannelError as exc:
+            if self._state == "running":
+                logger.warning("asyncsync: transfer of version %d to hosts %s failed (%s); re-forming the group", version, hosts, exc)
+                self._regroup = True
+                self._changed.notify()
+            return
+        for h in hosts:
+            host = self._hosts[h]
+            host.delivered = max(host.delivered, version)
+            host.pending.pop(key, None)
+        self._changed.notify()
+
+    # ----------------------------------------------------------------- connections
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        addr = writer.get_extra_info("peername")
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        stream = ControlStream(reader, writer, f"relay at {peer}")
+        try:
+            host = await asyncio.wait_for(self._handshake(stream), 10.0)
+        except (ProtocolError, AuthenticationError, BrokenChannelError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
+            logger.warning("asyncsync: closed control connection from %s: %s", peer, exc if str(exc) else type(exc).__name__)
+            await stream.aclose()
+            return
+        except asyncio.CancelledError:
+            await stream.aclose()
+            raise
+        if self._state != "running":
+            await stream.aclose()
+            return
+        h = self._hosts[host.host]
+        if h.stream is not None:
+            old = h.stream
+            self._lose(h, "it connected again (the old connection is dropped)", state="dead")
+            old.close()
+        stream.limit = FRAME_LIMIT
+        h.stream = stream
+        h.state = "connected"
+        h.pid = host.pid
+        h.peer = peer
+        h.reason = None
+        h.connections += 1
+        h.delivered = -1
+        h.pending.clear()
+        for w in h.workers.values():
+            w.reset()
+            if w.latest is not None:  # its newest version goes first
+                h.pending.setdefault((w.latest.version, w.latest.serial), (w.latest, set()))[1].add(w.wid[1])
+        try:
+            stream.send(Setup(self._layout, None, os.getpid()))
+        except BrokenChannelError:
+            pass
+        loop = asyncio.get_running_loop()
+        h.tasks = [loop.create_task(self._read_loop(h, stream)), loop.create_task(self._beat(stream))]
+        self._regroup = True
+        logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
+        self._changed.notify()
+
+    async def _handshake(self, stream: ControlStream) -> Auth:
+        nonce = new_nonce()
+        stream.send(Challenge(nonce))
+        msg = await stream.recv()
+        if not isinstance(msg, Auth):
+            raise ProtocolError(f"{stream.peer}: expected Auth, got {type(msg).__name__}")
+        if not hmac.compare_digest(msg.mac, auth_mac(self._token, nonce, msg.host, msg.num_workers)):
+            raise AuthenticationError(f"{stream.peer} (claiming host {msg.host}) failed the token challenge: wrong token")
+        if msg.host not in self._hosts:
+            raise ValueError(f"{stream.peer} claims host {msg.host}, which is not one of {sorted(self._hosts)}")
+        expected = self._hosts[msg.host].num_workers
+        if msg.num_workers != expected:
+            raise ValueError(f"host {msg.host} at {stream.peer} has {msg.num_workers} workers, the trainer expects {expected}")
+        stream.send(Welcome(welcome_mac(self._token, msg.nonce)))
+        return msg
+
+    async def _beat(self, stream: ControlStream) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.heartbeat)
+                stream.send(Beat())
+        except BrokenChannelError:
+            pass
+
+    async def _read_loop(self, h: _Host, stream: ControlStream) -> None:
+        try:
+            while True:
+                msg = await stream.recv(timeout=self.silence_timeout)
+                if h.stream is not stream:
+                    return
+                if isinstance(msg, Ack):
+                    self._on_ack(h, msg)
+                elif isinstance(msg, Lost):
+                    self._on_worker_lost(h, msg)
+                elif isinstance(msg, Bye):
+                    self._lose(h, f"its relay left: {msg.reason}", state="left")
+                    return
+                elif isinstance(msg, Beat):
+                    pass
+                else:
+                    raise ProtocolError(f"{stream.peer}: {type(msg).__name__} is not something a relay sends")
+        except ProtocolError as exc:
+            logger.warning("asyncsync: closing the control connection of host %d: %s", h.idx, exc)
+            if h.stream is stream:
+                self._lose(h, f"it sent a malformed message ({exc}); its connection was closed")
+        except BrokenChannelError as exc:
+            if h.stream is stream:
+                self._lose(h, str(exc))
+        finally:
+            stream.close()
+
+    def _on_ack(self, h: _Host, ack: Ack) -> None:
+        w = h.workers.get(ack.worker_idx)
+        if w is None:
+            logger.warning("asyncsync: host %d acked unknown worker %d", h.idx, ack.worker_idx)
+            return
+        if w.state in ("waiting", "dead", "left"):
+            w.state = "connected"  # its first answer on this connection (or a replacement process)
+            w.death = None
+        w.responded = max(w.responded, ack.version)
+        if ack.ok:
+            w.applied = max(w.applied, ack.version)
+            w.last_error = None
+            w.stage_s, w.commit_s = ack.stage_s, ack.commit_s
+        else:
+            w.rejected = max(w.rejected, ack.version)
+            w.last_error = ack.error
+        self._changed.notify()
+
+    def _on_worker_lost(self, h: _Host, msg: Lost) -> None:
+        w = h.workers.get(msg.worker_idx)
+        if w is None:
+            return
+        wid = w.wid
+        if msg.exitcode is None:
+            w.state = "left"
+            w.death = WorkerLeftError(wid, f"{msg.reason} (on host {h.idx})", w.applied)  # type: ignore[arg-type]
+        else:
+            w.state = "dead"
+            w.exitcode = msg.exitcode
+            w.death = WorkerDiedError(wid, msg.exitcode, None, f"on host {h.idx}: {msg.reason}")  # type: ignore[arg-type]
+        w.applied = w.responded = -1
+        self._changed.notify()
+
+    def _lose(self, h: _Host, reason: str, state: str = "dead") -> None:
+        """Host *h* is gone: name it, with each of its workers, and re-form the group."""
+        if self._state in ("closing", "closed"):
+            h.state = "stopped"
+            for w in h.workers.values():
+                if w.state == "connected":
+                    w.state = "stopped"
+        else:
+            h.state = state
+            h.reason = reason
+            logger.warning("asyncsync: host %d lost: %s", h.idx, reason)
+            for w in h.workers.values():
+                w.state = "dead"
+                w.death = HostLostError(h.idx, w.wid, reason, h.pid)
+        h.stream = None
+        self._regroup = True  # without it (also while a generation is forming)
+        self._changed.notify()
+
+
+async def unless(work: Coroutine[Any, Any, T], stop: Coroutine[Any, Any, Any]) -> T | None:
+    """*work*'s result, or None if *stop* finished first (then *work* is cancelled)."""
+    work_task = asyncio.ensure_future(work)
+    stop_task = asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({work_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+        await asyncio.wait({work_task, stop_task})
+    if work_task.cancelled():
+        return None
+    return work_task.result()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+

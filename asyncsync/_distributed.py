@@ -1,0 +1,409 @@
+"""``DistributedWeightSyncScheme``: the multi-host scheme, with the local scheme's API.
+
+The trainer (launch rank 0 by default) calls :meth:`~DistributedWeightSyncScheme.init_on_sender`
+and then uses ``connect`` / ``send`` / ``send_async`` / ``wait_async`` / ``aclose`` exactly
+as with :class:`MultiProcessWeightSyncScheme`; worker ids are ``(host, local index)``.
+Every other host calls :meth:`~DistributedWeightSyncScheme.init_on_relay` and hands the
+scheme to its workers (``spawn_workers(fn, n, args=(scheme,), scheme=scheme.local)``):
+pickled, it *is* the host's local scheme, so the worker function is the one used on one
+host. See docs/multihost.md.
+
+Example (rank 0 trains, the other ranks host workers)::
+
+    scheme = DistributedWeightSyncScheme(token="s3cret")      # RANK, WORLD_SIZE, MASTER_* from the env
+    if scheme.rank == 0:
+        scheme.init_on_sender(model=policy, workers_per_host=2)
+        async with scheme:
+            await scheme.send()
+    else:
+        scheme.init_on_relay(model=make_policy(), num_workers=2)
+        async with spawn_workers(worker, 2, args=(scheme,), scheme=scheme.local):
+            async with scheme:
+                await scheme.wait_stopped()
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from ._control import resolve_token
+from ._dataplane import DEFAULT_CHUNK_BYTES
+from ._dist_sender import DistSender, WorkerId
+from ._layout import Layout
+from ._receiver import Commit, CommitMode
+from ._relay import Relay
+from ._scheme import MultiProcessWeightSyncScheme, _lookup
+from ._sender import ModelRef, OnWorkerError
+from ._stats import DistributedStatistics, SenderStatistics
+from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
+
+__all__ = ["DistributedWeightSyncScheme"]
+
+_DEFAULT: Any = ...
+
+
+class DistributedWeightSyncScheme:
+    """Weight synchronisation from one trainer to worker processes on several hosts.
+
+    Args (those of :class:`MultiProcessWeightSyncScheme`, plus):
+        token: the shared secret of the control plane (default: ``ASYNCSYNC_TOKEN``; if
+            neither is set, rank 0 puts a random one in the rendezvous store, which then
+            protects only as much as access to the store does).
+        rank, world_size, master_addr, master_port: the launch (default: ``RANK``,
+            ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` as torchrun sets them).
+            Rank 0 is the trainer by default; every other rank is a host.
+        store: a ``torch.distributed.Store`` to rendezvous on (default: torchrun's agent
+            store when there is one, else a ``TCPStore`` on ``master_addr`` at
+            ``master_port + 1``, hosted by rank 0, so the user's own group keeps its port).
+        bind: the address the trainer's control plane listens on, and the one relays
+            advertise to the data plane (default: ``master_addr``).
+        chunk_bytes: the size of one network transfer chunk (default 64 MiB).
+        heartbeat: seconds between heartbeats.
+        silence_timeout: a peer that sent nothing, heartbeats included, for this long is
+            gone (default: ``timeout``; ``None`` with ``timeout=None``: only EOF counts). A
+            killed process is noticed at once anyway (its connection ends); this is for
+            partitions and hung hosts. Heartbeats come from the event loop: a trainer
+            whose loop is blocked (a long synchronous step) longer than this looks dead
+            to its relays, so keep it above your longest step.
+        backend: ``"gloo"`` (default). ``"nccl"`` is refused for now (CUDA check first): the
+            relay lands weights in CPU shared memory, which NCCL cannot write.
+
+    Example::
+
+        import socket
+
+        with socket.socket() as s:                      # a free port for the rendezvous store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
+        trainer = DistributedWeightSyncScheme(rank=0, **common)
+        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
+        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
+        host.init_on_relay(model=make_policy(), num_workers=1)
+        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        version = await trainer.send()            # every worker of every host applied it
+        print(version, trainer.sender.applied_versions())   # 1 {(1, 0): 1}
+        print(worker.version)                     # 1: the trainer's version number
+        await trainer.aclose()
+        await host.aclose()
+        await worker.aclose()
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy = "tensordict",
+        sync: bool = True,
+        timeout: float | None = 60.0,
+        *,
+        commit: Commit = "swap",
+        commit_mode: CommitMode = "auto",
+        on_worker_error: OnWorkerError = "raise",
+        check_finite: bool = False,
+        transfer_dtype: torch.dtype | None = None,
+        token: str | bytes | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        store: Any = None,
+        bind: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        heartbeat: float = 1.0,
+        silence_timeout: float | None | object = _DEFAULT,
+        backend: str = "gloo",
+    ) -> None:
+        # The local scheme checks the shared options (and relays use it as is).
+        self._options: dict[str, Any] = dict(
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            commit=commit,
+            commit_mode=commit_mode,
+            on_worker_error=on_worker_error,
+            check_finite=check_finite,
+            transfer_dtype=transfer_dtype,
+        )
+        MultiProcessWeightSyncScheme(**self._options)
+        if strategy not in STRATEGIES:  # pragma: no cover - checked above
+            raise ValueError(strategy)
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise ValueError("backend='nccl' needs CUDA, which this host does not have")
+            raise NotImplementedError(
+                "backend='nccl' is not implemented yet: relays land weights in CPU shared memory, "
+                "which NCCL cannot write (it needs a device bounce buffer per host); use backend='gloo'"
+            )
+        if backend != "gloo":
+            raise ValueError(f"backend must be 'gloo' (or 'nccl', not implemented yet), got {backend!r}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if heartbeat <= 0:
+            raise ValueError(f"heartbeat must be positive, got {heartbeat}")
+        self.strategy = strategy
+        self.sync = sync
+        self.timeout = timeout
+        self.transfer_dtype = transfer_dtype
+        self.check_finite = check_finite
+        self.on_worker_error = on_worker_error
+        self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
+        self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
+        self.master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._explicit_port = master_port
+        self.master_port = int(master_port if master_port is not None else os.environ.get("MASTER_PORT", 29500))
+        self.bind = bind or self.master_addr
+        self.chunk_bytes = chunk_bytes
+        self.heartbeat = heartbeat
+        self.silence_timeout: float | None = timeout if silence_timeout is _DEFAULT else silence_timeout  # type: ignore[assignment]
+        if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
+            raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
+        self.backend = backend
+        self._token = resolve_token(token)
+        self._user_store = store
+        self._store: Any = None
+        self._sender: DistSender | None = None
+        self._relay: Relay | None = None
+        self._local: MultiProcessWeightSyncScheme | None = None
+
+    # ------------------------------------------------------------------ rendezvous
+
+    def _open_store(self) -> Any:
+        """A ``PrefixStore("asyncsync/", ...)`` over the user's, torchrun's or our own store."""
+        if self._store is not None:
+            return self._store
+        timeout = datetime.timedelta(seconds=self.timeout if self.timeout is not None else 300.0)
+        if self._user_store is not None:
+            base = self._user_store
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+            base = TCPStore(self.master_addr, self.master_port, None, False, timeout)
+        else:
+            port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
+            base = TCPStore(self.master_addr, port, None, self.rank == 0, timeout, wait_for_workers=False)
+        self._store = PrefixStore("asyncsync/", base)
+        return self._store
+
+    def _resolve_token(self, store: Any, trainer: bool) -> bytes:
+        if self._token is not None:
+            return self._token
+        if trainer:
+            store.set("token", secrets.token_hex(32))
+        return bytes(store.get("token"))
+
+    # ------------------------------------------------------------------ pickling
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to a worker process), a relay's scheme is its local scheme."""
+        if self._local is None:
+            raise TypeError("only a relay's scheme (after init_on_relay) can be handed to worker processes")
+        return (_same, (self._local,))
+
+    # ------------------------------------------------------------------ trainer
+
+    def init_on_sender(
+        self,
+        model_id: str | None = None,
+        context: Any = None,
+        *,
+        weights: Any = None,
+        model: nn.Module | None = None,
+        hosts: Mapping[int, int] | None = None,
+        workers_per_host: int | None = None,
+    ) -> None:
+        """Configure the trainer: the weights (*model*, *weights* or *context* + *model_id*)
+        and the hosts: *hosts* ``{host: number of local workers}``, or *workers_per_host*
+        for every rank of the launch but this one."""
+        if self._sender is not None or self._relay is not None:
+            raise RuntimeError("this scheme is already initialised")
+        if weights is not None and model is not None:
+            raise ValueError("pass either weights or model, not both")
+        by_context = model is None and weights is None
+        if by_context:
+            model = resolve_model(context, model_id)
+            if model is None:
+                raise ValueError("nothing to send: pass model= or weights=, or a context with the model at context.<model_id>")
+        if hosts is None:
+            if workers_per_host is None:
+                raise ValueError("pass hosts={host: num_workers} or workers_per_host=")
+            hosts = {r: workers_per_host for r in range(self.world_size) if r != self.rank}
+        elif workers_per_host is not None:
+            raise ValueError("pass either hosts or workers_per_host, not both")
+        hosts = dict(hosts)
+        if not hosts:
+            raise ValueError("no hosts: the launch has a single rank (use MultiProcessWeightSyncScheme on one host)")
+        for h, n in hosts.items():
+            if not (isinstance(h, int) and h >= 0 and isinstance(n, int) and n >= 1):
+                raise ValueError(f"hosts maps host ids (ints >= 0) to worker counts (>= 1), got {h!r}: {n!r}")
+        source: Any = model if model is not None else weights
+        first = to_flat(source)
+        if not first:
+            raise ValueError("the weights hold no tensors")
+        source_layout = Layout.from_tensors(first)
+        dtype_map = {}
+        if self.transfer_dtype is not None:
+            dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
+        wire_layout = Layout.from_tensors(first, dtype_map)
+        if by_context:  # looked up at every send, as locally (and as torchrl does)
+            source = ModelRef(lambda: _lookup(context, model_id))
+        store = self._open_store()
+        self._sender = DistSender(
+            hosts=hosts,
+            source_layout=source_layout,
+            wire_layout=wire_layout,
+            source=source,
+            store=store,
+            token=self._resolve_token(store, trainer=True),
+            bind=self.bind,
+            port=0,
+            sync=self.sync,
+            timeout=self.timeout,
+            on_worker_error=self.on_worker_error,
+            check_finite=self.check_finite,
+            chunk_bytes=self.chunk_bytes,
+            heartbeat=self.heartbeat,
+            silence_timeout=self.silence_timeout,
+            backend=self.backend,
+        )
+
+    # ------------------------------------------------------------------ relay
+
+    def init_on_relay(
+        self,
+        model_id: str | None = None,
+        context: Any = None,
+        *,
+        model: nn.Module | None = None,
+        weights: Any = None,
+        num_workers: int,
+        host: int | None = None,
+    ) -> MultiProcessWeightSyncScheme:
+        """Configure this host's relay for *num_workers* local workers; returns the local
+        scheme (also :attr:`local`) to start them with. *model* (or *weights*) is the
+        same architecture as the trainer's: its layout is checked against the trainer's
+        when the relay connects; its values are never sent. *host* defaults to the rank."""
+        if self._sender is not None or self._relay is not None:
+            raise RuntimeError("this scheme is already initialised")
+        if model is None and weights is None:
+            model = resolve_model(context, model_id)
+            if model is None:
+                raise ValueError("the relay needs the model's architecture: pass model= or weights=")
+        template = to_flat(model if model is not None else weights)
+        frozen = {k: t.detach().clone() for k, t in template.items()}  # the relay never reads it again
+        local = MultiProcessWeightSyncScheme(**self._options)
+        local.init_on_sender(weights=frozen, num_workers=num_workers)
+        store = self._open_store()
+        self._local = local
+        self._relay = Relay(
+            host=self.rank if host is None else host,
+            local=local.sender,
+            store=store,
+            token=self._resolve_token(store, trainer=False),
+            timeout=self.timeout,
+            heartbeat=self.heartbeat,
+            silence_timeout=self.silence_timeout,
+            backend=self.backend,
+            hostname=self.bind if self.bind != self.master_addr else None,
+        )
+        return local
+
+    @property
+    def local(self) -> MultiProcessWeightSyncScheme:
+        """A relay's local scheme: pass it to ``spawn_workers(..., scheme=scheme.local)``."""
+        if self._local is None:
+            raise RuntimeError("call init_on_relay() first")
+        return self._local
+
+    @property
+    def sender(self) -> DistSender:
+        if self._sender is None:
+            raise RuntimeError("call init_on_sender() first")
+        return self._sender
+
+    @property
+    def relay(self) -> Relay:
+        if self._relay is None:
+            raise RuntimeError("call init_on_relay() first")
+        return self._relay
+
+    # ------------------------------------------------------------------ both sides
+
+    def _side(self) -> DistSender | Relay:
+        if self._sender is not None:
+            return self._sender
+        if self._relay is not None:
+            return self._relay
+        raise RuntimeError("call init_on_sender() or init_on_relay() first")
+
+    async def connect(self, timeout: float | None = _DEFAULT) -> int:
+        """Trainer: send version 0 to every worker of every host and wait for every ack.
+        Relay: join the trainer; return once the first weights reached the local workers."""
+        return await self._side().connect(timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Trainer: stop every relay (which stops its workers). Relay: leave. Idempotent.
+        Releases the rendezvous store too (the trainer's, when it hosts it, stops serving)."""
+        if self._sender is not None:
+            await self._sender.aclose()
+        elif self._relay is not None:
+            await self._relay.aclose()
+        self._store = None
+
+    async def __aenter__(self) -> DistributedWeightSyncScheme:
+        try:
+            await self.connect()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def statistics(self) -> DistributedStatistics | SenderStatistics:
+        """Trainer: :class:`DistributedStatistics`. Relay: its local sender's statistics."""
+        return self._side().statistics()
+
+    @property
+    def version(self) -> int:
+        """Trainer: newest version sent. Relay: newest version landed on this host."""
+        return self._side().version
+
+    async def send(
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+    ) -> int:
+        """As :meth:`MultiProcessWeightSyncScheme.send`; *worker_ids* are ``(host, local)`` pairs."""
+        return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
+
+    async def send_async(
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+    ) -> int:
+        """As :meth:`MultiProcessWeightSyncScheme.send_async`: returns once the snapshot is taken."""
+        return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
+
+    async def wait_async(
+        self,
+        version: int | None = None,
+        worker_ids: WorkerId | Iterable[WorkerId] | None = None,
+        *,
+        quorum: int | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> None:
+        """As :meth:`MultiProcessWeightSyncScheme.wait_async`."""
+        await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
+
+    async def wait_stopped(self) -> None:
+        """Relay: until the trainer stops this host; :class:`SenderDiedError` if it died."""
+        await self.relay.wait_stopped()
+
+
+def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
+    return scheme

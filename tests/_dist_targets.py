@@ -1,0 +1,102 @@
+"""Relay hosts for the multi-host tests (module level: spawn pickles them by name)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from asyncsync import AsyncQueue, DistributedWeightSyncScheme, spawn_workers
+from tests._targets import fill_, make_model, probe_worker
+
+
+async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], ctrl: Any, opts: dict[str, Any] | None = None) -> str:
+    """One simulated host: a relay and one probe worker per connection in *probe_conns*.
+
+    Answers on *ctrl*: ``("joined", version)`` once its workers run the first weights,
+    then ``("stopped", how)`` when the trainer stops it or dies.
+    """
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format=f"[host {host} %(relativeCreated)d ms] %(message)s")
+    opts = dict(opts or {})
+    kind = opts.pop("kind", "mlp")
+    die_at = opts.pop("die_in_broadcast_of", None)
+    if die_at is not None:
+        _die_in_broadcast_of(die_at)
+    scheme = DistributedWeightSyncScheme(
+        timeout=30, token=token, rank=host, world_size=3, master_addr="127.0.0.1", master_port=port, heartbeat=0.5, **opts
+    )
+    scheme.init_on_relay(model=make_model(kind), num_workers=len(probe_conns))
+    q: AsyncQueue[Any] = AsyncQueue(ctrl)
+    n = len(probe_conns)
+    groups = []
+    for i, conn in enumerate(probe_conns):  # one group each: each probe gets its own control pipe
+        g = spawn_workers(probe_worker, worker_ids=[i], args=(scheme, conn, kind, None), scheme=scheme.local, join_timeout=30)
+        g.start()
+        groups.append(g)
+    outcome = "?"
+    try:
+        try:
+            async with scheme:
+                await q.put(("joined", scheme.version, n))
+                try:
+                    await scheme.wait_stopped()
+                    outcome = "stopped"
+                except Exception as exc:
+                    outcome = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+            await q.put(("failed", outcome))
+        await q.put(("stopped", outcome))
+        for g in groups:  # the probes end when the test tells them to (or were killed)
+            try:
+                await g.join(timeout=60)
+            except Exception as exc:
+                print(f"host {host}: a worker ended badly: {exc}")
+    finally:
+        for g in groups:
+            await g.aclose(grace=0.0)
+    await q.aclose()
+    return outcome
+
+
+async def dist_trainer(idx: int, port: int, token: str, report: Any) -> None:
+    """A trainer in its own process (a test SIGKILLs it): host 1 with one worker."""
+    import asyncio
+
+    torch.set_num_threads(1)
+    model = make_model()
+    fill_(model, 5.0)
+    scheme = DistributedWeightSyncScheme(timeout=30, token=token, rank=0, world_size=2, master_addr="127.0.0.1", master_port=port, heartbeat=0.5)
+    scheme.init_on_sender(model=model, hosts={1: 1})
+    await scheme.connect()
+    fill_(model, 6.0)
+    await scheme.send()
+    report.send(("trainer-ready", scheme.version))
+    await asyncio.Event().wait()  # until killed
+
+
+def _die_in_broadcast_of(version: int) -> None:
+    """Make this relay SIGKILL itself in the middle of the broadcast of *version*: once its
+    first chunk has arrived, with the others still in flight."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from asyncsync._relay import Relay
+
+    land = Relay._land
+
+    async def dying(self: Relay, op: Any) -> None:
+        if op.version == version and not op.p2p and self._group is not None:
+            group = self._group
+            first = torch.empty(min(group.chunk_bytes, self.local.layout.nbytes), dtype=torch.uint8)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            group.pg.broadcast([first], opts).wait()  # the broadcast is under way...
+            os.kill(os.getpid(), signal.SIGKILL)  # ...and this host dies in the middle of it
+        await land(self, op)
+
+    Relay._land = dying  # type: ignore[method-assign]

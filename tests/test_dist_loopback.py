@@ -1,0 +1,231 @@
+"""The multi-host scheme in one process: trainer, relay and a loopback worker share this
+event loop (the gloo group and the control plane are real, on 127.0.0.1): fast checks of
+the round trip, the relay's latest-wins fan-out and cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync import DistributedWeightSyncScheme, HostLostError, MultiProcessWeightSyncScheme, loopback_worker
+from tests._dist_cluster import free_port
+from tests._targets import fill_, make_model
+
+
+@asynccontextmanager
+async def pair(**kw: Any) -> AsyncIterator[tuple[DistributedWeightSyncScheme, torch.nn.Module, MultiProcessWeightSyncScheme, torch.nn.Module]]:
+    port = free_port()
+    common = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, heartbeat=0.5, **kw)
+    model = make_model()
+    trainer = DistributedWeightSyncScheme(rank=0, **common)  # type: ignore[arg-type]
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)  # type: ignore[arg-type]
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    local = make_model()
+    fill_(local, -1.0)
+    worker.init_on_receiver(worker_idx=0, model=local)
+    try:
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        yield trainer, model, worker, local
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_in_process_round_trip_versions_and_partial() -> None:
+    async with pair() as (trainer, model, worker, local):
+        assert worker.version == 0
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), local.state_dict().values()))
+        fill_(model, 2.0)
+        v = await trainer.send()
+        assert worker.version == v == 1
+        assert all(bool((p == 2.0).all()) for p in local.parameters())
+        v = await trainer.send(weights={"0.bias": torch.zeros(16)}, partial=True)
+        assert worker.version == v
+        assert bool((local[0].bias == 0).all()) and bool((local[0].weight == 2.0).all())
+        stats = trainer.statistics()
+        assert stats.worker((1, 0)).applied_version == v and stats.host(1).connections == 1
+
+
+async def test_in_process_burst_latest_wins() -> None:
+    async with pair() as (trainer, model, worker, local):
+        seen: list[int] = []
+        worker.receiver.on_update = lambda w, v: seen.append(v)
+        for k in range(10):
+            fill_(model, float(k))
+            await trainer.send_async()
+        await trainer.wait_async()
+        assert seen == sorted(set(seen)) and seen[-1] == trainer.version == worker.version
+        assert all(bool((p == 9.0).all()) for p in local.parameters())
+
+
+def snapshot() -> tuple[set[str], set[int]]:
+    gc.collect()
+    return set(os.listdir("/proc/self/fd")), {t.ident or 0 for t in threading.enumerate()}
+
+
+async def test_nothing_left_after_aclose() -> None:
+    fds0, threads0 = snapshot()
+    async with pair() as (trainer, model, _, _):
+        for k in range(3):
+            fill_(model, float(k))
+            await trainer.send()
+    await asyncio.sleep(0)
+    fds1, threads1 = snapshot()
+    assert threads1 == threads0, threading.enumerate()
+    assert fds1 == fds0, {fd: _link(fd) for fd in fds1 ^ fds0}
+
+
+def _link(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+async def test_in_process_transfer_dtype(dtype: torch.dtype) -> None:
+    async with pair(transfer_dtype=dtype) as (trainer, model, worker, local):
+        fill_(model, 1.5)
+        await trainer.send()
+        assert all(p.dtype == torch.float32 and bool((p == 1.5).all()) for p in local.parameters())
+        assert trainer.statistics().buffer_bytes < sum(t.numel() * 4 for t in model.state_dict().values())
+
+
+async def test_in_process_manual_commit() -> None:
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, commit_mode="manual")
+    model = make_model()
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    local = make_model()
+    worker.init_on_receiver(worker_idx=0, model=local)
+    try:
+        joining = asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        await worker.wait_for_version(0)  # staged, not committed: nobody acked yet
+        assert worker.update_pending and worker.version == -1
+        assert worker.commit() == 0
+        await joining
+        fill_(model, 3.0)
+        send = asyncio.ensure_future(trainer.send())
+        await worker.wait_for_version(1)
+        assert not send.done() and all(bool((p != 3.0).all()) for p in local.parameters())
+        assert worker.commit() == 1
+        assert await send == 1
+        assert all(bool((p == 3.0).all()) for p in local.parameters())
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_in_process_context_model_id_is_looked_up_at_every_send() -> None:
+    class Ctx:
+        policy = make_model()
+
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender("policy", Ctx, hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    local = make_model()
+    worker.init_on_receiver(worker_idx=0, model=local)
+    try:
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        Ctx.policy = make_model()  # a new module object: the next send reads it
+        fill_(Ctx.policy, 4.0)
+        await trainer.send()
+        assert all(bool((p == 4.0).all()) for p in local.parameters())
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_a_relay_with_another_model_is_refused_with_the_reason() -> None:
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=make_model(), hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model("wide"), num_workers=1)
+    await trainer.sender.start()
+    try:
+        with pytest.raises(ValueError, match="host 1: the trainer's weights do not fit this host's model"):
+            await relay.connect()
+        await trainer.sender.wait_lost(1, timeout=30)
+        assert trainer.statistics().host(1).state == "dead"
+    finally:
+        await relay.aclose()
+        await trainer.aclose()
+
+
+async def test_a_relay_that_leaves_is_named_as_left() -> None:
+    port = free_port()
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = make_model()
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    local = make_model()
+    worker.init_on_receiver(worker_idx=0, model=local)
+    try:
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        await relay.aclose()  # the host leaves: its workers are stopped, keeping their weights
+        await trainer.sender.wait_lost(1, timeout=30)
+        stats = trainer.statistics()
+        assert stats.host(1).state == "left" and "its relay left: the relay closed" in str(stats.host(1).reason)
+        with pytest.raises(HostLostError, match="host 1 .* is lost, and with it worker \\(1, 0\\): its relay left"):
+            await trainer.send()
+        await worker.wait_stopped()  # stopped by its relay, not an error
+        assert worker.version == 0
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_a_silent_relay_is_declared_lost() -> None:
+    """A peer that authenticates, then sends nothing (no heartbeat) for silence_timeout."""
+    from asyncsync._control import auth_mac
+    from asyncsync._protocol import Auth, Challenge, Setup, Welcome, decode, encode
+
+    port = free_port()
+    trainer = DistributedWeightSyncScheme(
+        rank=0, timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, heartbeat=0.2, silence_timeout=1.0
+    )
+    trainer.init_on_sender(model=make_model(), hosts={1: 1})
+    await trainer.sender.start()
+    assert trainer.sender.address is not None
+    reader, writer = await asyncio.open_connection(*trainer.sender.address)
+    try:
+        challenge = decode(await reader.readexactly(40))
+        assert isinstance(challenge, Challenge)
+        writer.write(encode(Auth(1, 1, 4242, b"\x03" * 32, auth_mac(b"t0ken", challenge.nonce, 1, 1))))
+        assert isinstance(decode(await reader.readexactly(40)), Welcome)
+        header = await reader.readexactly(8)
+        setup = decode(header + await reader.readexactly(int.from_bytes(header[4:], "big")))
+        assert isinstance(setup, Setup) and setup.layout == trainer.sender.layout
+        await trainer.sender.wait_lost(1, timeout=30)  # ...and now it says nothing
+        host = trainer.statistics().host(1)
+        assert host.state == "dead" and "sent nothing for 1.0s (no heartbeat)" in str(host.reason)
+    finally:
+        writer.close()
+        await trainer.aclose()
