@@ -89,10 +89,10 @@ class Cluster:
     async def kill_close(self) -> None:
         """Close without the stop handshake (some workers may be dead or stuck)."""
         await self.scheme.aclose()
+        for p in self.probes:
+            await p.q.aclose()  # first: a probe worker ends when its control pipe does
         for g in self.groups:
             await g.aclose(grace=5.0)
-        for p in self.probes:
-            await p.q.aclose()
 
     async def state(self, i: int) -> tuple[int, dict[str, torch.Tensor]]:
         return await self.probes[i].ask("state")  # type: ignore[no-any-return]
