@@ -417,7 +417,8 @@ class AsyncQueue(Generic[T]):
                         self._raise_broken()
                     return
                 if not on_frame(data):
-                    self._unlisten()
+                    if self._listener is listener:  # unless on_frame listened anew
+                        self._unlisten()
                     return
         except Exception as exc:
             if self._listener is listener:

@@ -246,6 +246,11 @@ class Relay:
             announced = asyncio.ensure_future(self._changed.wait_until(self._group_announced, None))
             try:
                 await asyncio.wait({task, announced}, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException as exc:  # cancelled (the relay closes): the backend may still write buf
+                if not task.done():
+                    task.cancel()
+                    exc.still_writing = released  # type: ignore[attr-defined]  # publish_filled keeps the slot mapped
+                raise
             finally:
                 announced.cancel()
             if not task.done():
@@ -270,6 +275,8 @@ class Relay:
             logger.warning("asyncsync: host %d: transfer of version %d failed (%s); waiting for the group to re-form", self.host, op.version, exc)
         except ClosedError:
             pass
+        except Exception:  # e.g. CapacityError under a max_slots cap: this transfer is lost, the relay goes on
+            logger.exception("asyncsync: host %d: landing version %d failed; the trainer will time out waiting for its acks", self.host, op.version)
 
     async def _finish(self) -> None:
         """The trainer said Stop (stop the workers) or died (leave them with SenderDiedError)."""

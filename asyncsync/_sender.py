@@ -314,13 +314,22 @@ class Sender:
         assert self._send_lock is not None
         async with self._send_lock:
             self._check_running()
+            if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):
+                raise ValueError(f"version {version} is older than the newest sent ({self._version}) or was already sent to one of {targets}")
             slot = await self._acquire_slot(None)
             try:
                 await fill(self._pool.views_buffer(slot))
-            except StillWriting as exc:
-                # Abandoned while something (a network receive) still writes the slot: it
-                # stays reserved, off the books, until that is done.
+            except BaseException as exc:
+                writer = exc.done if isinstance(exc, StillWriting) else getattr(exc, "still_writing", None)
+                if writer is None:
+                    self._ledger.unreserve(slot.id)
+                    self._release_unused()
+                    self._changed.notify()
+                    raise
+                # Abandoned (or cancelled) while something (a network receive) still writes
+                # the slot: it stays reserved, off the books, and mapped until that is done.
                 slot.copying = True
+                slot.writer = writer
 
                 def done(_f: object) -> None:
                     slot.copying = False
@@ -329,12 +338,7 @@ class Sender:
                         self._release_unused()
                     self._changed.notify()
 
-                exc.done.add_done_callback(done)
-                raise
-            except BaseException:
-                self._ledger.unreserve(slot.id)
-                self._release_unused()
-                self._changed.notify()
+                writer.add_done_callback(done)
                 raise
             if version > self._version:
                 self._sends += 1
@@ -564,6 +568,9 @@ class Sender:
                 await self._changed.wait_until(lambda: all(w.state != "connected" for w in self._workers.values()), timeout)
             self._state = "closed"
             self._changed.notify()
+            for w in self._workers.values():
+                if w.link is not None:
+                    w.link.queue._unlisten()  # nothing is dispatched once closed
             tasks = [t for w in self._workers.values() if w.link is not None for t in w.link.tasks]
             for t in tasks:
                 t.cancel()
@@ -848,7 +855,10 @@ class Sender:
     def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
         self._ledger.on_ack(w.idx, ack.version, ack.ok, ack.holds)
         if self.on_ack is not None:
-            self.on_ack(w.idx, ack)
+            try:
+                self.on_ack(w.idx, ack)
+            except Exception:  # the hook's failure is not the worker's: it stays connected
+                logger.exception("worker %d: the on_ack hook failed", w.idx)
         link.responded = max(link.responded, ack.version)
         if ack.ok:
             link.applied = max(link.applied, ack.version)
@@ -902,7 +912,10 @@ class Sender:
             w.process = None
             self._drop_sentinel(w)
         if self.on_lost is not None and w.death is not None and w.state in ("dead", "left"):
-            self.on_lost(w.idx, w.death)
+            try:
+                self.on_lost(w.idx, w.death)
+            except Exception:
+                logger.exception("worker %d: the on_lost hook failed", w.idx)
         if broken is not None:
             # Its process may still view the slots it held: they are never written again.
             self._ledger.retire(w.idx)

@@ -11,6 +11,8 @@ Who holds which slot is the :class:`~._ownership.SlotLedger`'s business.
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from ._layout import Layout
@@ -30,6 +32,7 @@ class Slot:
         self.segment = Segment(nbytes)
         self.views: dict[str, torch.Tensor] | None = None
         self.copying = False  # a cancelled send's copy thread still writes it
+        self.writer: asyncio.Future[None] | None = None  # an abandoned network receive still writes it, until done
 
     @property
     def fd(self) -> int:
@@ -37,6 +40,12 @@ class Slot:
         return self.segment.fd
 
     def close(self) -> None:
+        writer = self.writer
+        if writer is not None and not writer.done():
+            # Unmapping now would let the backend write into freed memory: unmap once it is done
+            # (never, if this process ends first: the kernel frees the mapping then).
+            writer.add_done_callback(lambda _f: self.close())
+            return
         self.views = None
         self.segment.close(unmap=True)
 

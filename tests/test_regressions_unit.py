@@ -228,3 +228,19 @@ async def test_a_slot_cap_that_nothing_can_free_raises_capacity_error(asyncsync_
             await scheme.send()  # a third slot is needed and no answer is outstanding
         assert "worker 0 live" in str(info.value) and "worker 1 live" in str(info.value)
         assert scheme.sender.applied_versions() == {0: 1, 1: 0}  # nothing was published
+
+
+async def test_a_slot_still_written_by_an_abandoned_receive_is_unmapped_only_when_it_is_done() -> None:
+    """A relay's network receive cannot be stopped: closing the pool must not unmap its slot
+    under it (the backend would write into freed memory); the slot is unmapped once it is done."""
+    from asyncsync._slots import Slot
+
+    slot = Slot(0, 4096, transient=False)
+    writer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    slot.writer = writer
+    slot.close()
+    assert slot.segment._mmap is not None and slot.segment.buf.numel() == 4096  # still mapped
+    slot.segment.buf.fill_(1)  # and writable, as the backend would
+    writer.set_result(None)
+    await asyncio.sleep(0)  # the done callback runs on the loop
+    assert slot.segment._mmap is None
