@@ -23,7 +23,7 @@ import os
 import struct
 
 from ._errors import BrokenChannelError, ProtocolError
-from ._protocol import HEADER_BYTES, NONCE_BYTES, Message, decode, encode, payload_length
+from ._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
 
 __all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "resolve_token"]
 
@@ -101,6 +101,15 @@ class ControlStream:
         if self.writer.is_closing():
             raise BrokenChannelError(f"the connection to {self.peer} is closed")
         self.writer.write(encode(msg))
+
+    async def heartbeat(self, every: float) -> None:
+        """Send a ``Beat`` every *every* seconds until the connection closes (the peer's liveness signal)."""
+        try:
+            while True:
+                await asyncio.sleep(every)
+                self.send(Beat())
+        except BrokenChannelError:
+            pass
 
     async def drain(self) -> None:
         try:

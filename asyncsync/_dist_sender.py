@@ -694,7 +694,7 @@ class DistSender:
         except BrokenChannelError:
             pass
         loop = asyncio.get_running_loop()
-        h.tasks = [loop.create_task(self._read_loop(h, stream)), loop.create_task(self._beat(stream))]
+        h.tasks = [loop.create_task(self._read_loop(h, stream)), loop.create_task(stream.heartbeat(self.heartbeat))]
         self._regroup = True
         logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
         self._changed.notify()
@@ -714,14 +714,6 @@ class DistSender:
             raise ValueError(f"host {msg.host} at {stream.peer} has {msg.num_workers} workers, the trainer expects {expected}")
         stream.send(Welcome(welcome_mac(self._token, msg.nonce)))
         return msg
-
-    async def _beat(self, stream: ControlStream) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.heartbeat)
-                stream.send(Beat())
-        except BrokenChannelError:
-            pass
 
     async def _read_loop(self, h: _Host, stream: ControlStream) -> None:
         try:

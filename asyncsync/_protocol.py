@@ -477,11 +477,12 @@ def _error(kind: str, field: str, problem: str) -> ProtocolError:
     return ProtocolError(f"{kind}: field {field!r}: {problem}")
 
 
-def _check_header(data: bytes) -> None:
-    """Raise the :class:`ProtocolError` that says what is wrong with the frame's header."""
-    n = len(data)
-    if n < _H:
-        raise _error("frame", "header", f"truncated: {n} bytes, the header alone is {_H}")
+def _header(data: bytes, what: str) -> tuple[str, int]:
+    """The message type's name and the payload length of the header at the start of *data*;
+    raise :class:`ProtocolError` if it is short (*what* says of what) or has a wrong magic,
+    version or type."""
+    if len(data) < _H:
+        raise _error("frame", "header", f"truncated: {len(data)} bytes, {what} is {_H}")
     magic, version, kind, length = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise _error("frame", "magic", f"{magic!r} is not {MAGIC!r}")
@@ -490,6 +491,13 @@ def _check_header(data: bytes) -> None:
     name = _NAMES.get(kind)
     if name is None:
         raise _error("frame", "type", f"unknown message type {kind}")
+    return name, int(length)
+
+
+def _check_header(data: bytes) -> None:
+    """Raise the :class:`ProtocolError` that says what is wrong with the frame's header."""
+    n = len(data)
+    name, length = _header(data, "the header alone")
     if length != n - _H:
         what = "truncated" if length > n - _H else "trailing bytes"
         raise _error(name, "length", f"{what}: the header announces {length} payload bytes, the frame holds {n - _H}")
@@ -504,17 +512,10 @@ def payload_length(header: bytes, limit: int) -> int:
     magic, version or type, or a payload over *limit* bytes, before anything is read."""
     if len(header) != _H:
         raise _error("frame", "header", f"truncated: {len(header)} bytes, the header is {_H}")
-    magic, version, kind, length = _HEADER.unpack_from(header)
-    if magic != MAGIC:
-        raise _error("frame", "magic", f"{magic!r} is not {MAGIC!r}")
-    if version != PROTOCOL_VERSION:
-        raise _error("frame", "version", f"protocol version {version} is not supported (this end speaks {PROTOCOL_VERSION})")
-    name = _NAMES.get(kind)
-    if name is None:
-        raise _error("frame", "type", f"unknown message type {kind}")
+    name, length = _header(header, "the header")
     if length > limit:
         raise _error(name, "length", f"{length} payload bytes, more than the {limit} allowed here")
-    return int(length)
+    return length
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:

@@ -385,23 +385,17 @@ class Receiver:
         return self._stager
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
-        if (self._faults is None or self._faults.idle) and self._receive_now(msg, skipped):
+        if self._faults is not None:  # a test's fault: hold the update, or refuse it
+            refusal = await self._faults.before_apply(msg.version)
+            if refusal is not None:
+                self._reject(msg, refusal)
+                return
+        if self._receive_now(msg, skipped):
             return
-        refusal = await self._faults.before_apply(msg.version) if self._faults is not None else None
-        seg = self._segments.get(msg.slot)
-        if refusal is None:
-            refusal = self._refusal(msg, seg)
-        if refusal is not None:
-            self._reject(msg, refusal)
-            return
-        assert self._layout is not None and self._roles is not None and seg is not None
+        assert self._layout is not None and self._roles is not None
         roles = self._roles
-        views = self._slot_views.get(msg.slot)
-        if views is None:
-            views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
-        if self._reads_slot:
-            self._apply(Weights(msg.version, views, msg.slot), msg.skipped + skipped)
-            return
+        seg = self._segments[msg.slot]
+        views = self._views_of(msg.slot, seg)
         t0 = time.perf_counter()
         staging = roles.begin_staging(msg.version)
         done = False
@@ -419,7 +413,7 @@ class Receiver:
 
     def _receive_now(self, msg: Receive, skipped: int) -> bool:
         """Handle *msg* without awaiting if it can be (a refusal, or weights read straight
-        from the slot); False if it needs staging first. Not while a test's fault is in force (it awaits)."""
+        from the slot); False if it needs staging first."""
         seg = self._segments.get(msg.slot)
         refusal = self._refusal(msg, seg)
         if refusal is not None:
@@ -427,12 +421,17 @@ class Receiver:
             return True
         if not self._reads_slot:
             return False
-        assert seg is not None and self._layout is not None
-        views = self._slot_views.get(msg.slot)
-        if views is None:
-            views = self._slot_views[msg.slot] = self._layout.views(seg.buf)
-        self._apply(Weights(msg.version, views, msg.slot), msg.skipped + skipped)
+        assert seg is not None
+        self._apply(Weights(msg.version, self._views_of(msg.slot, seg), msg.slot), msg.skipped + skipped)
         return True
+
+    def _views_of(self, slot_id: int, seg: Segment) -> dict[str, torch.Tensor]:
+        """The layout's tensors viewing slot *slot_id* (made once per slot)."""
+        views = self._slot_views.get(slot_id)
+        if views is None:
+            assert self._layout is not None
+            views = self._slot_views[slot_id] = self._layout.views(seg.buf)
+        return views
 
     def _reject(self, msg: Receive, error: str) -> None:
         self._rejected += 1

@@ -115,7 +115,7 @@ class Relay:
         self._tasks = [
             loop.create_task(self._read_loop(stream), name=f"asyncsync-relay-{self.host}-read"),
             loop.create_task(self._run_ops(), name=f"asyncsync-relay-{self.host}-ops"),
-            loop.create_task(self._beat(stream), name=f"asyncsync-relay-{self.host}-beat"),
+            loop.create_task(stream.heartbeat(self.heartbeat), name=f"asyncsync-relay-{self.host}-beat"),
         ]
         if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", limit):
             raise SyncTimeoutError(f"host {self.host} waiting for its first weights", {}, limit)
@@ -152,14 +152,6 @@ class Relay:
                 f"({len(setup.layout.specs)} tensors, {setup.layout.nbytes} bytes vs {len(self.local.layout.specs)} tensors, "
                 f"{self.local.layout.nbytes} bytes here); build the same model, with the same transfer_dtype"
             )
-
-    async def _beat(self, stream: ControlStream) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.heartbeat)
-                stream.send(Beat())
-        except BrokenChannelError:
-            pass
 
     async def _read_loop(self, stream: ControlStream) -> None:
         try:
