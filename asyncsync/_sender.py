@@ -309,48 +309,61 @@ class Sender:
         """
         self._check_running()
         targets = self._targets(worker_ids)
-        if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):
-            raise ValueError(f"version {version} is older than the newest sent ({self._version}) or was already sent to one of {targets}")
+        self._check_newer(version, targets)  # fail early...
         assert self._send_lock is not None
         async with self._send_lock:
             self._check_running()
-            if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):
-                raise ValueError(f"version {version} is older than the newest sent ({self._version}) or was already sent to one of {targets}")
+            self._check_newer(version, targets)  # ...and for sure, under the lock
             slot = await self._acquire_slot(None)
             try:
                 await fill(self._pool.views_buffer(slot))
             except BaseException as exc:
                 writer = exc.done if isinstance(exc, StillWriting) else getattr(exc, "still_writing", None)
                 if writer is None:
-                    self._ledger.unreserve(slot.id)
-                    self._release_unused()
-                    self._changed.notify()
+                    self._unreserve([slot])
                     raise
                 # Abandoned (or cancelled) while something (a network receive) still writes
                 # the slot: it stays reserved, off the books, and mapped until that is done.
                 slot.copying = True
                 slot.writer = writer
-
-                def done(_f: object) -> None:
-                    slot.copying = False
-                    self._ledger.unreserve(slot.id)
-                    if self._state != "closed":
-                        self._release_unused()
-                    self._changed.notify()
-
-                writer.add_done_callback(done)
+                writer.add_done_callback(lambda _f: self._written_late(slot))
                 raise
             if version > self._version:
                 self._sends += 1
             self._version = version
             self._bytes += self._layout.nbytes
-            self._ledger.publish(slot.id, version, targets)
-            for i in targets:
+            self._publish([(slot, targets)], version)
+
+    def _check_newer(self, version: int, targets: list[int]) -> None:
+        if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):
+            raise ValueError(f"version {version} is older than the newest sent ({self._version}) or was already sent to one of {targets}")
+
+    def _publish(self, written: list[tuple[Slot, list[int]]], version: int) -> None:
+        """Make each written slot its members' newest *version* and send it to those with nothing in flight."""
+        for slot, members in written:
+            self._ledger.publish(slot.id, version, members)
+            for i in members:
                 self._workers[i].sends += 1
-            for i in targets:
+        for _, members in written:
+            for i in members:
                 self._pump(self._workers[i])
+        self._release_unused()
+        self._changed.notify()
+
+    def _unreserve(self, slots: list[Slot]) -> None:
+        """Give back slots reserved by a send that publishes nothing."""
+        for slot in slots:
+            self._ledger.unreserve(slot.id)
+        self._release_unused()
+        self._changed.notify()
+
+    def _written_late(self, slot: Slot) -> None:
+        """The writer a failed send left behind (copy thread, network receive) is done: free its slot."""
+        slot.copying = False
+        self._ledger.unreserve(slot.id)
+        if self._state != "closed":
             self._release_unused()
-            self._changed.notify()
+        self._changed.notify()
 
     async def connect(self, timeout: Timeout | object = ..., weights: Any = None) -> int:
         """Start watching the workers, send the initial weights, wait for every ack.
@@ -419,24 +432,12 @@ class Sender:
                     written.append((slot, members))
                     await self._write(slot, flat, base)
             except BaseException:
-                for slot, _ in written:
-                    if not slot.copying:
-                        self._ledger.unreserve(slot.id)
-                self._release_unused()
-                self._changed.notify()
+                self._unreserve([slot for slot, _ in written if not slot.copying])
                 raise
             self._version += 1
             version = self._version
             self._sends += 1
-            for slot, members in written:
-                self._ledger.publish(slot.id, version, members)
-                for i in members:
-                    self._workers[i].sends += 1
-            for _, members in written:
-                for i in members:
-                    self._pump(self._workers[i])
-            self._release_unused()
-            self._changed.notify()
+            self._publish(written, version)
         return version
 
     async def wait_async(
@@ -744,15 +745,8 @@ class Sender:
                 loop = asyncio.get_running_loop()
 
                 def _done(_f: object) -> None:
-                    def release() -> None:
-                        slot.copying = False
-                        self._ledger.unreserve(slot.id)
-                        if self._state != "closed":
-                            self._release_unused()
-                        self._changed.notify()
-
                     if not loop.is_closed():
-                        loop.call_soon_threadsafe(release)
+                        loop.call_soon_threadsafe(self._written_late, slot)
 
                 cfut.add_done_callback(_done)
                 raise
