@@ -19,9 +19,13 @@ from asyncsync import DistributedWeightSyncScheme, HostLostError, MultiProcessWe
 from tests._dist_cluster import free_port
 from tests._targets import fill_, make_model
 
+Trio = tuple[DistributedWeightSyncScheme, torch.nn.Module, DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, torch.nn.Module]
+
 
 @asynccontextmanager
-async def pair(**kw: Any) -> AsyncIterator[tuple[DistributedWeightSyncScheme, torch.nn.Module, MultiProcessWeightSyncScheme, torch.nn.Module]]:
+async def trio(**kw: Any) -> AsyncIterator[Trio]:
+    """A trainer, one relay (host 1) and its loopback worker, in this loop, not connected yet:
+    ``(trainer, its model, relay, worker, the worker's model)``; all closed at the end."""
     port = free_port()
     common = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, heartbeat=0.5, **kw)
     model = make_model()
@@ -34,12 +38,19 @@ async def pair(**kw: Any) -> AsyncIterator[tuple[DistributedWeightSyncScheme, to
     fill_(local, -1.0)
     worker.init_on_receiver(worker_idx=0, model=local)
     try:
-        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
-        yield trainer, model, worker, local
+        yield trainer, model, relay, worker, local
     finally:
         await trainer.aclose()
         await relay.aclose()
         await worker.aclose()
+
+
+@asynccontextmanager
+async def pair(**kw: Any) -> AsyncIterator[tuple[DistributedWeightSyncScheme, torch.nn.Module, MultiProcessWeightSyncScheme, torch.nn.Module]]:
+    """:func:`trio`, connected: ``(trainer, its model, worker, the worker's model)``."""
+    async with trio(**kw) as (trainer, model, relay, worker, local):
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        yield trainer, model, worker, local
 
 
 async def test_in_process_round_trip_versions_and_partial() -> None:
@@ -103,17 +114,7 @@ async def test_in_process_transfer_dtype(dtype: torch.dtype) -> None:
 
 
 async def test_in_process_manual_commit() -> None:
-    port = free_port()
-    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, commit_mode="manual")
-    model = make_model()
-    trainer = DistributedWeightSyncScheme(rank=0, **common)
-    trainer.init_on_sender(model=model, hosts={1: 1})
-    relay = DistributedWeightSyncScheme(rank=1, **common)
-    relay.init_on_relay(model=make_model(), num_workers=1)
-    worker = loopback_worker(relay.local, 0)
-    local = make_model()
-    worker.init_on_receiver(worker_idx=0, model=local)
-    try:
+    async with trio(commit_mode="manual") as (trainer, model, relay, worker, local):
         joining = asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
         await worker.wait_for_version(0)  # staged, not committed: nobody acked yet
         assert worker.update_pending and worker.version == -1
@@ -126,10 +127,6 @@ async def test_in_process_manual_commit() -> None:
         assert worker.commit() == 1
         assert await send == 1
         assert all(bool((p == 3.0).all()) for p in local.parameters())
-    finally:
-        await trainer.aclose()
-        await relay.aclose()
-        await worker.aclose()
 
 
 async def test_in_process_context_model_id_is_looked_up_at_every_send() -> None:
@@ -176,17 +173,7 @@ async def test_a_relay_with_another_model_is_refused_with_the_reason() -> None:
 
 
 async def test_a_relay_that_leaves_is_named_as_left() -> None:
-    port = free_port()
-    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
-    model = make_model()
-    trainer = DistributedWeightSyncScheme(rank=0, **common)
-    trainer.init_on_sender(model=model, hosts={1: 1})
-    relay = DistributedWeightSyncScheme(rank=1, **common)
-    relay.init_on_relay(model=make_model(), num_workers=1)
-    worker = loopback_worker(relay.local, 0)
-    local = make_model()
-    worker.init_on_receiver(worker_idx=0, model=local)
-    try:
+    async with trio() as (trainer, _model, relay, worker, _local):
         await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
         await relay.aclose()  # the host leaves: its workers are stopped, keeping their weights
         await trainer.sender.wait_lost(1, timeout=30)
@@ -196,10 +183,6 @@ async def test_a_relay_that_leaves_is_named_as_left() -> None:
             await trainer.send()
         await worker.wait_stopped()  # stopped by its relay, not an error
         assert worker.version == 0
-    finally:
-        await trainer.aclose()
-        await relay.aclose()
-        await worker.aclose()
 
 
 async def test_a_silent_relay_is_declared_lost() -> None:
