@@ -241,6 +241,8 @@ async def test_a_slot_still_written_by_an_abandoned_receive_is_unmapped_only_whe
     slot.close()
     assert slot.segment._mmap is not None and slot.segment.buf.numel() == 4096  # still mapped
     slot.segment.buf.fill_(1)  # and writable, as the backend would
+    after_close: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    writer.add_done_callback(lambda _f: after_close.set_result(None))  # runs after the slot's own callback
     writer.set_result(None)
-    await asyncio.sleep(0)  # the done callback runs on the loop
+    await after_close
     assert slot.segment._mmap is None
