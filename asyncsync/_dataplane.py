@@ -1,7 +1,7 @@
 """The multi-host data plane: a dedicated torch.distributed group for weight bytes.
 
-A :class:`SyncGroup` is one generation of the weight-sync group: a gloo process group
-built directly on a ``PrefixStore(f"gen{generation}/", store)``. It
+A :class:`SyncGroup` is one generation of the weight-sync group: a gloo or NCCL process
+group built directly on a ``PrefixStore(f"gen{generation}/", store)``. It
 is never the user's default group and never touches ``init_process_group``; a new
 generation (after a host died or joined) is a new prefix, so groups can be re-formed as
 often as needed. Buffers travel in chunks (``chunk_bytes``, default 64 MiB) issued
@@ -10,15 +10,26 @@ together, so the transfer is pipelined and uses no memory beyond the buffer itse
 Every operation runs with ``async_op=True``: the event loop awaits an asyncio future set
 from the work's completion (``Work.get_future()`` + ``call_soon_threadsafe``), or, for
 gloo's point-to-point work which has no future, from a waiting thread. No loop blocks.
+
+A group with a *device* (NCCL, whose wire is CUDA memory) issues and waits for its
+operations in its own thread: NCCL sets up a communicator inside the first operation
+between two ranks, which blocks, and its work futures complete when the kernel is queued,
+not when it ran. A device buffer is sent or received as it is; a host buffer (a relay's
+shared-memory slot) is received through two device chunks, the copy of one to the host
+overlapping the receive of the next. A failed or timed-out NCCL operation raises in that
+thread (blocking wait; the process is never torn down), and closing a busy group aborts
+its communicator, which ends what it still runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,8 +49,11 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 class SyncGroup:
     """One generation of the weight-sync process group (rank 0 is the trainer)."""
 
-    def __init__(self, pg: Any, generation: int, rank: int, size: int, chunk_bytes: int, timeout: float) -> None:
+    def __init__(
+        self, pg: Any, generation: int, rank: int, size: int, chunk_bytes: int, timeout: float, device: torch.device | None = None
+    ) -> None:
         self.pg = pg
+        self.device = device  # the wire's device (NCCL); None: host memory (gloo)
         self.generation = generation
         self.rank = rank
         self.size = size
@@ -48,6 +62,8 @@ class SyncGroup:
         self._waiter: ThreadPoolExecutor | None = None
         self._closed = False
         self._pending = 0  # operations the backend has not finished (a timed-out one included)
+        self._ring: list[torch.Tensor] = []  # device chunks a host buffer is received through
+        self._stream: Any = None
 
     @classmethod
     async def create(
@@ -61,9 +77,11 @@ class SyncGroup:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         backend: str = "gloo",
         hostname: str | None = None,
+        device: torch.device | None = None,
     ) -> SyncGroup:
         """Rendezvous with the other *size - 1* members on the store (in a thread: it
-        blocks until every member arrived, at most *timeout* seconds)."""
+        blocks until every member arrived, at most *timeout* seconds). *device*: the CUDA
+        device of the wire (required with NCCL)."""
         # A connection of its own: a rendezvous left waiting for a dead member must not hold
         # up the next generation's behind it on a shared store client.
         base = store.clone() if hasattr(store, "clone") else store
@@ -78,7 +96,11 @@ class SyncGroup:
                 else:
                     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
                 return dist.ProcessGroupGloo(prefixed, rank, size, opts)
-            raise ValueError(f"backend must be 'gloo', got {backend!r}")
+            if backend == "nccl":
+                if device is None or device.type != "cuda":
+                    raise ValueError(f"backend='nccl' needs a CUDA device, got {device}")
+                return _nccl_group(prefixed, rank, size, timeout, device)
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
         loop = asyncio.get_running_loop()
         ex = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-group")
@@ -91,7 +113,7 @@ class SyncGroup:
             ex.shutdown(wait=False)
             raise
         ex.shutdown(wait=True)  # the thread is done: join it
-        return cls(pg, generation, rank, size, chunk_bytes, timeout)
+        return cls(pg, generation, rank, size, chunk_bytes, timeout, device)
 
     def _chunks(self, buf: torch.Tensor) -> list[torch.Tensor]:
         flat = buf.view(-1)
@@ -104,23 +126,115 @@ class SyncGroup:
         *release* is called (on the loop) once the backend no longer touches *buf*: at
         return, or later if this coroutine raised or was cancelled while it still ran.
         """
-        works = []
-        for chunk in self._chunks(buf):
+        def issue(chunk: torch.Tensor, i: int) -> Any:
             opts = dist.BroadcastOptions()
             opts.rootRank = root
             opts.rootTensor = 0
-            works.append(self.pg.broadcast([chunk], opts))
+            return self.pg.broadcast([chunk], opts)
+
+        if self.device is not None:
+            await self._on_device(buf, issue, receive=self.rank != root, release=release)
+            return
+        works = [issue(chunk, i) for i, chunk in enumerate(self._chunks(buf))]
         await self._wait(works, use_future=True, release=release)
 
     async def send(self, buf: torch.Tensor, dst: int, tag: int, release: Callable[[], None] | None = None) -> None:
         """Point-to-point: *buf* to member *dst*; chunk ``i`` carries tag ``tag + i``."""
+        if self.device is not None:
+            await self._on_device(buf, lambda chunk, i: self.pg.send([chunk], dst, tag + i), receive=False, release=release)
+            return
         works = [self.pg.send([chunk], dst, tag + i) for i, chunk in enumerate(self._chunks(buf))]
         await self._wait(works, use_future=False, release=release)
 
     async def recv(self, buf: torch.Tensor, src: int, tag: int, release: Callable[[], None] | None = None) -> None:
         """Point-to-point: fill *buf* from member *src* (the tags of :meth:`send`)."""
+        if self.device is not None:
+            await self._on_device(buf, lambda chunk, i: self.pg.recv([chunk], src, tag + i), receive=True, release=release)
+            return
         works = [self.pg.recv([chunk], src, tag + i) for i, chunk in enumerate(self._chunks(buf))]
         await self._wait(works, use_future=False, release=release)
+
+    async def _on_device(
+        self, buf: torch.Tensor, issue: Callable[[torch.Tensor, int], Any], receive: bool, release: Callable[[], None] | None
+    ) -> None:
+        """Run one operation of a device group in its thread; as :meth:`_wait` otherwise."""
+        loop = asyncio.get_running_loop()
+        afut: asyncio.Future[None] = loop.create_future()
+        afut.add_done_callback(_retrieve)
+        self._pending += 1
+
+        def finished() -> None:
+            self._pending -= 1
+            if release is not None:
+                release()
+            if self._pending == 0 and self._closed:
+                self._destroy(background=True)
+
+        done = _bridge(loop, afut, finished)
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-nccl")
+        self._waiter.submit(self._device_run, buf, issue, receive, done)
+        error: str | None = None
+        try:
+            await asyncio.wait_for(afut, self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            error = f"a transfer took more than {self.timeout}s"
+        except RuntimeError as exc:
+            error = str(exc)
+        if error is not None:
+            raise BrokenChannelError(f"weight-sync group generation {self.generation}: {error}")
+
+    def _device_run(
+        self, buf: torch.Tensor, issue: Callable[[torch.Tensor, int], Any], receive: bool, done: Callable[[BaseException | None], None]
+    ) -> None:
+        """In the group's thread: issue every chunk, then block until the device is done."""
+        try:
+            dev = self.device
+            assert dev is not None
+            cuda = dev.type == "cuda"  # (a CPU "device" runs the same steps: the tests' stand-in)
+            with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
+                if cuda and self._stream is None:
+                    self._stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+                stream = self._stream
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.default_stream(dev))  # what was written into buf before
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    if buf.device == dev:
+                        works = [issue(chunk, i) for i, chunk in enumerate(self._chunks(buf))]
+                        for work in works:
+                            work.wait()
+                        del works
+                        if stream is not None:
+                            stream.synchronize()
+                    elif receive:
+                        self._receive_through_ring(buf, issue)
+                    else:
+                        raise ValueError(f"a {self.device} group sends from {self.device} memory, not from {buf.device}")
+        except BaseException as exc:  # delivered to the loop
+            done(exc)
+            return
+        done(None)
+
+    def _receive_through_ring(self, buf: torch.Tensor, issue: Callable[[torch.Tensor, int], Any]) -> None:
+        """Receive host *buf* chunk by chunk through two device chunks: chunk i+1 lands
+        while chunk i is copied out (a copy to pageable memory returns once it is done, so
+        a device chunk is free again when it is issued the next time)."""
+        chunks = self._chunks(buf)
+        if not chunks:
+            return
+        n = min(len(chunks), 2)
+        size = chunks[0].numel()
+        if len(self._ring) < n or self._ring[0].numel() < size:
+            self._ring = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        prev: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+        for i, chunk in enumerate(chunks):
+            landing = self._ring[i % n][: chunk.numel()]
+            work = issue(landing, i)
+            if prev is not None:
+                _copy_out(*prev)
+            prev = (work, landing, chunk)
+        assert prev is not None
+        _copy_out(*prev)
 
     @staticmethod
     def max_tag_chunks(nbytes: int, chunk_bytes: int) -> int:
@@ -202,12 +316,62 @@ class SyncGroup:
             self._waiter = None
         if not busy:
             self._destroy(background)
+        elif self.device is not None:
+            # NCCL can end what it runs: abort the communicator (the waits in the group's
+            # thread raise, and the group goes once they returned).
+            abort = getattr(self.pg, "abort", None)
+            try:
+                if abort is not None:
+                    abort()
+            except Exception as exc:  # e.g. a backend without abort: it ends at its timeout
+                logger.debug("asyncsync: aborting weight-sync group generation %d: %r", self.generation, exc)
 
     def _destroy(self, background: bool) -> None:
         pg, self.pg = self.pg, None
-        if background and pg is not None:
+        self._ring = []
+        if pg is None:
+            return
+        if background:
             threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
+        else:
+            _drop([pg])
         del pg
+
+
+def _nccl_group(store: Any, rank: int, size: int, timeout: float, device: torch.device) -> Any:
+    """An NCCL group whose waits block (and raise on error or timeout) instead of tearing
+    the process down, with its communicator set up now, not inside the first transfer."""
+    nccl: Any = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise RuntimeError("this torch has no NCCL (a CPU-only build?)")
+    opts = nccl.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout)
+    opts.is_high_priority_stream = False
+    with _environ(TORCH_NCCL_BLOCKING_WAIT="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="0"):  # read by the constructor
+        pg = nccl(store, rank, size, opts)
+    with torch.cuda.device(device):
+        probe = torch.zeros(1, dtype=torch.uint8, device=device)
+        pg.broadcast([probe], dist.BroadcastOptions()).wait()
+    return pg
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _copy_out(work: Any, landing: torch.Tensor, chunk: torch.Tensor) -> None:
+    work.wait()  # the current stream waits for the receive
+    chunk.copy_(landing)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -216,6 +380,12 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 
 
 def _drop(holder: list[Any]) -> None:
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is not None and isinstance(holder[0], nccl):
+        try:
+            holder[0].shutdown()  # NCCL warns when a group is dropped without it
+        except Exception as exc:
+            logger.debug("asyncsync: shutting down a weight-sync group: %r", exc)
     holder.clear()
 
 

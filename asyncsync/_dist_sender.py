@@ -68,8 +68,8 @@ _THREAD_COPY_BYTES = 4 << 20
 class _Buf:
     """One flat wire buffer: the snapshot of one version."""
 
-    def __init__(self, layout: Layout) -> None:
-        self.tensor = torch.empty(layout.nbytes, dtype=torch.uint8)
+    def __init__(self, layout: Layout, device: torch.device | None) -> None:
+        self.tensor = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         self.views = layout.views(self.tensor)
         self.version = -1
         self.serial = -1  # which write this is (a buffer is reused)
@@ -140,6 +140,7 @@ class DistSender:
         heartbeat: float = 1.0,
         silence_timeout: float | None = None,
         backend: str = "gloo",
+        device: torch.device | None = None,
     ) -> None:
         self._source_layout = source_layout
         self._layout = wire_layout
@@ -156,6 +157,7 @@ class DistSender:
         self.heartbeat = heartbeat
         self.silence_timeout = silence_timeout
         self.backend = backend
+        self.device = device  # where the snapshots live and travel from (None: host memory)
         self._hosts = {h: _Host(h, n) for h, n in sorted(hosts.items())}
         self._workers: dict[WorkerId, _RemoteWorker] = {w.wid: w for h in self._hosts.values() for w in h.workers.values()}
         self._bufs: list[_Buf] = []
@@ -502,7 +504,7 @@ class DistSender:
         for buf in self._bufs:
             if buf.owners == 0 and buf.transfers == 0:
                 return buf
-        buf = _Buf(self._layout)
+        buf = _Buf(self._layout, self.device)
         self._bufs.append(buf)
         return buf
 
@@ -516,7 +518,7 @@ class DistSender:
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
-            cfut = self._executor.submit(copy_tensors, dst, src)
+            cfut = self._executor.submit(_copy_snapshot, dst, src, self.device)
             await asyncio.shield(asyncio.wrap_future(cfut))
         self._last_copy_s = time.perf_counter() - t0
 
@@ -578,7 +580,8 @@ class DistSender:
             except BrokenChannelError:
                 pass  # its reader reports it
         create = SyncGroup.create(
-            self._store, gen, 0, size, timeout=self._group_timeout(), chunk_bytes=self.chunk_bytes, backend=self.backend, hostname=self._bind
+            self._store, gen, 0, size, timeout=self._group_timeout(), chunk_bytes=self.chunk_bytes, backend=self.backend, hostname=self._bind,
+            device=self.device,
         )
         try:
             # A member lost during the rendezvous would hold it up until the timeout: give up
@@ -792,6 +795,12 @@ class DistSender:
         h.stream = None
         self._regroup = True  # without it (also while a generation is forming)
         self._changed.notify()
+
+
+def _copy_snapshot(dst: list[torch.Tensor], src: list[torch.Tensor], device: torch.device | None) -> None:
+    copy_tensors(dst, src)
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the snapshot is complete when send_async returns
 
 
 async def unless(work: Coroutine[Any, Any, T], stop: Coroutine[Any, Any, Any]) -> T | None:

@@ -74,8 +74,11 @@ class DistributedWeightSyncScheme:
             partitions and hung hosts. Heartbeats come from the event loop: a trainer
             whose loop is blocked (a long synchronous step) longer than this looks dead
             to its relays, so keep it above your longest step.
-        backend: ``"gloo"`` (default). ``"nccl"`` is refused for now (CUDA check first): the
-            relay lands weights in CPU shared memory, which NCCL cannot write.
+        backend: ``"gloo"`` (default: CPU memory on the wire) or ``"nccl"`` (CUDA memory on
+            the wire: the trainer keeps its snapshots on its GPU and each relay receives
+            through two ``chunk_bytes`` buffers on its GPU into the host's shared memory).
+        device: with ``backend="nccl"``, this rank's CUDA device (default: the trainer's
+            model's device; on a relay ``cuda:LOCAL_RANK``, else the current device).
 
     Example::
 
@@ -122,6 +125,7 @@ class DistributedWeightSyncScheme:
         heartbeat: float = 1.0,
         silence_timeout: float | None | object = _DEFAULT,
         backend: str = "gloo",
+        device: str | torch.device | None = None,
     ) -> None:
         # The local scheme checks the shared options (and relays use it as is).
         self._options: dict[str, Any] = dict(
@@ -137,15 +141,15 @@ class DistributedWeightSyncScheme:
         MultiProcessWeightSyncScheme(**self._options)
         if strategy not in STRATEGIES:  # pragma: no cover - checked above
             raise ValueError(strategy)
-        if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise ValueError("backend='nccl' needs CUDA, which this host does not have")
-            raise NotImplementedError(
-                "backend='nccl' is not implemented yet: relays land weights in CPU shared memory, "
-                "which NCCL cannot write (it needs a device bounce buffer per host); use backend='gloo'"
-            )
-        if backend != "gloo":
-            raise ValueError(f"backend must be 'gloo' (or 'nccl', not implemented yet), got {backend!r}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, which this host does not have; use backend='gloo'")
+        if device is not None:
+            if backend != "nccl":
+                raise ValueError(f"device= is the NCCL wire's CUDA device; backend={backend!r} sends from CPU memory")
+            if torch.device(device).type != "cuda":
+                raise ValueError(f"backend='nccl' needs a CUDA device, got device={device!r}")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         if heartbeat <= 0:
@@ -168,6 +172,8 @@ class DistributedWeightSyncScheme:
         if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
             raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
         self.backend = backend
+        self.device = torch.device(device) if device is not None else None
+        self._wire_device: torch.device | None = None  # gloo: host memory (a test may set a CUDA one)
         self._token = resolve_token(token)
         self._user_store = store
         self._store: Any = None
@@ -272,6 +278,7 @@ class DistributedWeightSyncScheme:
             heartbeat=self.heartbeat,
             silence_timeout=self.silence_timeout,
             backend=self.backend,
+            device=self._wire(first),
         )
 
     # ------------------------------------------------------------------ relay
@@ -312,8 +319,22 @@ class DistributedWeightSyncScheme:
             silence_timeout=self.silence_timeout,
             backend=self.backend,
             hostname=self.bind if self.bind != self.master_addr else None,
+            device=self._wire(None),
         )
         return local
+
+    def _wire(self, flat: Mapping[str, torch.Tensor] | None) -> torch.device | None:
+        """The device the weight bytes travel from and to: None (host memory) with gloo;
+        with NCCL, ``device=``, else the trainer's model's CUDA device, else this rank's."""
+        if self.backend != "nccl":
+            return self._wire_device
+        if self.device is not None:
+            return self.device
+        for t in (flat or {}).values():
+            if t.device.type == "cuda":
+                return t.device
+        local_rank = os.environ.get("LOCAL_RANK")
+        return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
 
     @property
     def local(self) -> MultiProcessWeightSyncScheme:

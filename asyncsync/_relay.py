@@ -61,6 +61,7 @@ class Relay:
         silence_timeout: float | None,
         backend: str,
         hostname: str | None,
+        device: torch.device | None = None,
     ) -> None:
         self.host = host
         self.local = local
@@ -71,6 +72,7 @@ class Relay:
         self.silence_timeout = silence_timeout
         self.backend = backend
         self._hostname = hostname
+        self.device = device  # the wire's device (NCCL): transfers land through it
         self._stream: ControlStream | None = None
         self._group: SyncGroup | None = None
         self._ops: asyncio.Queue[Group | Transfer | None] = asyncio.Queue()
@@ -202,6 +204,7 @@ class Relay:
             chunk_bytes=op.chunk_bytes,
             backend=self.backend,
             hostname=self._hostname,
+            device=self.device,
         )
         try:
             # The trainer gives up on a generation whose members changed: so does the relay,

@@ -5,24 +5,38 @@ Checks, on cuda:0, for commit="swap" and commit="copy":
   * the worker's event loop keeps ticking while a 100M-parameter update lands (max lag);
   * send-until-acked latency;
 and measures host-to-device GB/s (pinned and pageable) against the device's own copy
-bandwidth. Prints one JSON document; exits non-zero if a check fails.
+bandwidth.
 
-Run: python scripts/gpu_check.py [--params 100000000]
+With ``--dist`` it checks the multi-host path's device side (``backend="nccl"``'s steps):
+a trainer whose model and snapshots live on the GPU and two relays that receive through
+two device chunks into shared memory, each feeding a worker on the GPU. NCCL itself needs
+one GPU per rank, so on a one-GPU machine the transfers run on gloo (which moves CUDA
+tensors for broadcasts) and the NCCL group is only tried, its error reported. On a
+machine with three GPUs or more, ``--dist --nccl`` runs the same check on NCCL.
+
+Prints one JSON document; exits non-zero if a check fails.
+
+Run: python scripts/gpu_check.py [--params 100000000] [--dist [--nccl]]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
+import multiprocessing as mp
+import socket
 import statistics
 import sys
 import time
+import traceback
+from typing import Any
 
 import torch
 from torch import nn
 
-from asyncsync import MultiProcessWeightSyncScheme, spawn_workers
+from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, spawn_workers
 
 
 def make_model(n_params: int) -> nn.Module:
@@ -121,12 +135,219 @@ def bandwidth(n_bytes: int) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------- the multi-host device path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _dev(rank: int, cpu: bool) -> torch.device:
+    """Rank r's device: cuda:r (modulo the GPU count); the CPU for a dry run."""
+    return torch.device("cpu") if cpu else torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def _dist_scheme(rank: int, port: int, nccl: bool, chunk_bytes: int, cpu: bool) -> DistributedWeightSyncScheme:
+    dev = _dev(rank, cpu)
+    kw: dict[str, Any] = dict(timeout=120, token="gpu-check", rank=rank, world_size=3, master_addr="127.0.0.1", master_port=port)
+    if nccl:
+        return DistributedWeightSyncScheme(backend="nccl", device=dev, chunk_bytes=chunk_bytes, **kw)
+    scheme = DistributedWeightSyncScheme(backend="gloo", chunk_bytes=chunk_bytes, **kw)
+    scheme._wire_device = dev  # NCCL's steps on gloo, which broadcasts CUDA tensors
+    return scheme
+
+
+async def dist_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_params: int, device: str) -> dict[str, object]:
+    torch.set_num_threads(1)
+    model = make_model(n_params).to(device)
+    wrong: list[int] = []
+    applied: list[int] = []
+
+    def check(idx: int, version: int) -> None:  # p0 carries the version in every send, partial ones too
+        applied.append(version)
+        if not bool((model.p0 == float(version)).all()):
+            wrong.append(version)
+
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
+    scheme.receiver.on_update = check
+    async with scheme:
+        await scheme.wait_stopped()
+    last = applied[-1] if applied else -1
+    rest_ok = all(bool((p == float(last)).all()) for name, p in model.named_parameters() if name != "p0")
+    return {"applied": applied, "wrong": wrong, "device": str(model.p0.device), "others_at_last": rest_ok}
+
+
+async def _relay(rank: int, port: int, nccl: bool, chunk_bytes: int, n_params: int, cpu: bool) -> dict[str, object]:
+    scheme = _dist_scheme(rank, port, nccl, chunk_bytes, cpu)
+    device = str(_dev(rank, cpu))
+    scheme.init_on_relay(model=make_model(n_params), num_workers=1)
+    async with spawn_workers(dist_worker, 1, args=(scheme, n_params, device), scheme=scheme.local) as workers:
+        async with scheme:
+            await scheme.wait_stopped()
+        results = await workers.join(timeout=120)
+    return {"host": rank, "relay_version": scheme.version, "worker": results[0]}
+
+
+async def _trainer(port: int, nccl: bool, chunk_bytes: int, n_params: int, sends: int, cpu: bool) -> dict[str, object]:
+    scheme = _dist_scheme(0, port, nccl, chunk_bytes, cpu)
+    model = make_model(n_params).to(_dev(0, cpu))
+    scheme.init_on_sender(model=model, hosts={1: 1, 2: 1})
+    times = []
+    async with scheme:
+        snapshot_on = str(scheme.sender._bufs[0].tensor.device)
+        for k in range(1, sends + 1):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float(k))
+            t0 = time.perf_counter()
+            assert await scheme.send() == k
+            times.append((time.perf_counter() - t0) * 1e3)
+        # a partial update (p0 only), then latest wins under a burst of send_async
+        v = await scheme.send(weights={"p0": torch.full_like(model.p0, float(sends + 1))}, partial=True)
+        for k in range(v + 1, v + 6):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float(k))
+            await scheme.send_async()
+        await scheme.wait_async()
+        stats = scheme.statistics()
+    return {
+        "snapshots_on": snapshot_on,
+        "send_median_ms": statistics.median(times),
+        "gbps": n_params * 4 / (statistics.median(times) / 1e3) / 1e9,
+        "version": scheme.version,
+        "bytes_per_send": stats.last_send_bytes,  # type: ignore[union-attr]
+    }
+
+
+def _role(rank: int, port: int, nccl: bool, chunk_bytes: int, n_params: int, sends: int, cpu: bool, out: Any) -> None:
+    try:
+        if rank == 0:
+            res = asyncio.run(_trainer(port, nccl, chunk_bytes, n_params, sends, cpu))
+        else:
+            res = asyncio.run(_relay(rank, port, nccl, chunk_bytes, n_params, cpu))
+        out.put((rank, res))
+    except BaseException:
+        out.put((rank, {"error": traceback.format_exc()[-3000:]}))
+
+
+def run_dist(n_params: int, sends: int, nccl: bool, chunk_bytes: int, cpu: bool = False) -> dict[str, object]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_role, args=(r, port, nccl, chunk_bytes, n_params, sends, cpu, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in procs:
+            rank, res = out.get(timeout=240)
+            results[rank] = res
+    except Exception as exc:
+        results[-1] = {"error": f"no result: {exc!r}"}
+    for p in procs:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    return {"backend": "nccl" if nccl else "gloo (device steps)", "chunk_bytes": chunk_bytes, "results": results}
+
+
+def _nccl_probe(rank: int, port: int, out: Any) -> None:
+    """Form a two-rank NCCL weight-sync group on cuda:rank%count and broadcast through it."""
+    import torch.distributed as dist
+
+    from asyncsync._dataplane import SyncGroup
+
+    async def go() -> dict[str, object]:
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=30))
+        group = await SyncGroup.create(store, 1, rank, 2, timeout=20, backend="nccl", device=dev)
+        try:
+            if rank == 0:
+                buf = torch.arange(3 << 20, dtype=torch.int32, device=dev).view(torch.uint8)
+                await group.broadcast(buf, 0)
+                return {"sent": True}
+            host = torch.zeros(12 << 20, dtype=torch.uint8)
+            await group.broadcast(host, 0)
+            ok = torch.equal(host.view(torch.int32), torch.arange(3 << 20, dtype=torch.int32))
+            return {"received_correctly": ok}
+        finally:
+            group.close()
+
+    try:
+        res = asyncio.run(go())
+    except BaseException as exc:
+        res = {"error": repr(exc)[:600]}
+    nccl = getattr(__import__("torch.distributed", fromlist=["x"]), "ProcessGroupNCCL", None)
+    res["has_abort"] = hasattr(nccl, "abort")
+    res["has_shutdown"] = hasattr(nccl, "shutdown")
+    out.put((rank, res))
+
+
+def run_nccl_probe() -> dict[str, object]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_nccl_probe, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in procs:
+            rank, res = out.get(timeout=90)
+            results[rank] = res
+    except Exception as exc:
+        results[-1] = {"error": f"no result: {exc!r}"}
+    for p in procs:
+        p.join(10)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    return {"gpus": torch.cuda.device_count(), "results": results}
+
+
+def dist_failures(report: dict[str, Any], sends: int) -> list[str]:
+    failures = []
+    results = report["results"]
+    trainer = results.get(0, {})
+    if "error" in trainer or -1 in results:
+        failures.append("the trainer failed")
+    for h in (1, 2):
+        r = results.get(h, {})
+        w = r.get("worker", {}) if isinstance(r, dict) else {}
+        if "error" in r or not w or w["wrong"] or not w["others_at_last"] or w["applied"][-1] != trainer.get("version"):
+            failures.append(f"host {h}")
+    return failures
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--sends", type=int, default=5)
     parser.add_argument("--device", default="cuda:0", help="cpu runs the same checks as a dry run")
+    parser.add_argument("--dist", action="store_true", help="check the multi-host device path instead")
+    parser.add_argument("--nccl", action="store_true", help="with --dist: on NCCL (needs 3 GPUs)")
+    parser.add_argument("--chunk-bytes", type=int, default=16 << 20)
     args = parser.parse_args()
+    if args.dist and args.device == "cpu":  # a dry run of the device steps, on CPU memory
+        report = {"dist": run_dist(args.params, args.sends, False, args.chunk_bytes, cpu=True)}
+        report["failures"] = dist_failures(report["dist"], args.sends)
+        print(json.dumps(report, indent=2, default=str))
+        return 1 if report["failures"] else 0
+    if args.dist:
+        if not torch.cuda.is_available():
+            print("no CUDA device: nothing to check", file=sys.stderr)
+            return 2
+        report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "params": args.params, "torch": torch.__version__}
+        report["nccl_probe"] = run_nccl_probe()
+        report["dist"] = run_dist(args.params, args.sends, args.nccl, args.chunk_bytes)
+        failures = dist_failures(report["dist"], args.sends)
+        report["failures"] = failures
+        print(json.dumps(report, indent=2, default=str))
+        return 1 if failures else 0
     if args.device == "cpu":
         modes = [await run_mode(mode, args.params, args.sends, "cpu") for mode in ("swap", "copy")]
         print(json.dumps({"device": "cpu", "modes": modes}, indent=2))

@@ -23,15 +23,18 @@ Trio = tuple[DistributedWeightSyncScheme, torch.nn.Module, DistributedWeightSync
 
 
 @asynccontextmanager
-async def trio(**kw: Any) -> AsyncIterator[Trio]:
+async def trio(wire: torch.device | None = None, **kw: Any) -> AsyncIterator[Trio]:
     """A trainer, one relay (host 1) and its loopback worker, in this loop, not connected yet:
-    ``(trainer, its model, relay, worker, the worker's model)``; all closed at the end."""
+    ``(trainer, its model, relay, worker, the worker's model)``; all closed at the end.
+    *wire*: run the NCCL path's steps (a device, its own thread) with gloo on this device."""
     port = free_port()
     common = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, heartbeat=0.5, **kw)
     model = make_model()
     trainer = DistributedWeightSyncScheme(rank=0, **common)  # type: ignore[arg-type]
+    trainer._wire_device = wire
     trainer.init_on_sender(model=model, hosts={1: 1})
     relay = DistributedWeightSyncScheme(rank=1, **common)  # type: ignore[arg-type]
+    relay._wire_device = wire
     relay.init_on_relay(model=make_model(), num_workers=1)
     worker = loopback_worker(relay.local, 0)
     local = make_model()
@@ -68,8 +71,9 @@ async def test_in_process_round_trip_versions_and_partial() -> None:
         assert stats.worker((1, 0)).applied_version == v and stats.host(1).connections == 1
 
 
-async def test_in_process_burst_latest_wins() -> None:
-    async with pair() as (trainer, model, worker, local):
+@pytest.mark.parametrize("wire", [None, torch.device("cpu")], ids=["host", "device-path"])
+async def test_in_process_burst_latest_wins(wire: torch.device | None) -> None:
+    async with pair(wire=wire, chunk_bytes=1000) as (trainer, model, worker, local):
         seen: list[int] = []
         worker.receiver.on_update = lambda w, v: seen.append(v)
         for k in range(10):
@@ -78,6 +82,49 @@ async def test_in_process_burst_latest_wins() -> None:
         await trainer.wait_async()
         assert seen == sorted(set(seen)) and seen[-1] == trainer.version == worker.version
         assert all(bool((p == 9.0).all()) for p in local.parameters())
+
+
+async def test_device_path_round_trip_subsets_and_partial_on_a_cpu_stand_in() -> None:
+    """NCCL's steps (every transfer issued and awaited in the group's thread), with gloo on
+    CPU memory: broadcasts, point-to-point sends to a subset and partial updates, in chunks."""
+    async with trio(torch.device("cpu"), chunk_bytes=256) as (trainer, model, relay, worker, local):
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        assert trainer.sender._group is not None and trainer.sender._group.device == torch.device("cpu")
+        fill_(model, 3.0)
+        v = await trainer.send(worker_ids=[(1, 0)])
+        assert worker.version == v and all(bool((p == 3.0).all()) for p in local.parameters())
+        v = await trainer.send(weights={"0.bias": torch.full((16,), 7.0)}, partial=True)
+        assert worker.version == v and bool((local[0].bias == 7.0).all()) and bool((local[0].weight == 3.0).all())
+
+
+def test_a_host_buffer_is_received_through_two_device_chunks_in_a_pipeline() -> None:
+    """The relay's landing with NCCL: chunk i+1 is issued before chunk i is copied out, the
+    two device chunks alternate, and the host buffer ends up with every byte."""
+    from asyncsync._dataplane import SyncGroup
+
+    group = SyncGroup(None, 1, 1, 2, chunk_bytes=4, timeout=5.0, device=torch.device("cpu"))
+    source = torch.arange(10, dtype=torch.uint8)
+    events: list[str] = []
+    landings: list[int] = []
+
+    class Work:
+        def __init__(self, landing: torch.Tensor, i: int) -> None:
+            self.landing, self.i = landing, i
+
+        def wait(self) -> None:
+            self.landing.copy_(source[self.i * 4 : self.i * 4 + self.landing.numel()])  # the receive lands now
+            events.append(f"copy {self.i}")
+
+    def issue(landing: torch.Tensor, i: int) -> Work:
+        events.append(f"issue {i}")
+        landings.append(landing.data_ptr())
+        return Work(landing, i)
+
+    buf = torch.zeros(10, dtype=torch.uint8)
+    group._receive_through_ring(buf, issue)
+    assert torch.equal(buf, source)
+    assert events == ["issue 0", "issue 1", "copy 0", "issue 2", "copy 1", "copy 2"]
+    assert landings[0] == landings[2] != landings[1]
 
 
 def snapshot() -> tuple[set[str], set[int]]:
