@@ -7,12 +7,13 @@ Checks, on cuda:0, for commit="swap" and commit="copy":
 and measures host-to-device GB/s (pinned and pageable) against the device's own copy
 bandwidth.
 
-With ``--dist`` it checks the multi-host path's device side (``backend="nccl"``'s steps):
-a trainer whose model and snapshots live on the GPU and two relays that receive through
-two device chunks into shared memory, each feeding a worker on the GPU. NCCL itself needs
-one GPU per rank, so on a one-GPU machine the transfers run on gloo (which moves CUDA
-tensors for broadcasts) and the NCCL group is only tried, its error reported. On a
-machine with three GPUs or more, ``--dist --nccl`` runs the same check on NCCL.
+With ``--dist`` it checks the multi-host path's device side (``backend="nccl"``). NCCL
+needs one GPU per rank: with three GPUs or more it runs a trainer and two relays (each
+feeding a worker on its GPU) on NCCL. On fewer it tries a two-rank NCCL group (reporting
+NCCL's refusal) and checks the device steps in one process, with a stand-in for NCCL that
+writes on a stream of its own, as NCCL does: the trainer's snapshot on its GPU, a send
+from device memory, and a relay's receive through two device chunks into pageable host
+memory (the order of the stream hand-offs is what can go wrong there).
 
 Prints one JSON document; exits non-zero if a check fails.
 
@@ -155,7 +156,7 @@ def _dist_scheme(rank: int, port: int, nccl: bool, chunk_bytes: int, cpu: bool) 
     if nccl:
         return DistributedWeightSyncScheme(backend="nccl", device=dev, chunk_bytes=chunk_bytes, **kw)
     scheme = DistributedWeightSyncScheme(backend="gloo", chunk_bytes=chunk_bytes, **kw)
-    scheme._wire_device = dev  # NCCL's steps on gloo, which broadcasts CUDA tensors
+    scheme._wire_device = dev  # NCCL's steps (device memory, the group's thread) on gloo: a CPU dry run only
     return scheme
 
 
@@ -252,7 +253,7 @@ def run_dist(n_params: int, sends: int, nccl: bool, chunk_bytes: int, cpu: bool 
         if p.exitcode is None:
             p.kill()
             p.join()
-    return {"backend": "nccl" if nccl else "gloo (device steps)", "chunk_bytes": chunk_bytes, "results": results}
+    return {"backend": "nccl" if nccl else "gloo (device steps on CPU)", "chunk_bytes": chunk_bytes, "results": results}
 
 
 def _nccl_probe(rank: int, port: int, out: Any) -> None:
@@ -309,6 +310,86 @@ def run_nccl_probe() -> dict[str, object]:
     return {"gpus": torch.cuda.device_count(), "results": results}
 
 
+class _StandInWork:
+    """What NCCL's work does on ``wait()`` (blocking wait off): the current stream waits."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)  # type: ignore[no-untyped-call]
+
+
+async def device_steps(n_bytes: int, chunk_bytes: int) -> dict[str, object]:
+    """The device side of ``backend="nccl"`` on one GPU, NCCL replaced by slow copies on a
+    stream of its own that first waits for the issuing stream (what ProcessGroupNCCL does)."""
+    from asyncsync._dataplane import SyncGroup
+
+    dev = torch.device("cuda", 0)
+    comm = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+    source = torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, device=dev)
+    out: dict[str, object] = {}
+
+    def on_comm(write: Any) -> _StandInWork:
+        comm.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(comm):
+            torch.cuda._sleep(1_000_000)  # a slow network: a late write shows up as wrong bytes
+            write()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(comm)
+        return _StandInWork(event)
+
+    # A relay: receive into pageable host memory through two device chunks.
+    group = SyncGroup(None, 1, 1, 2, chunk_bytes=chunk_bytes, timeout=60.0, device=dev)
+    host = torch.zeros(n_bytes, dtype=torch.uint8)
+
+    def recv(landing: torch.Tensor, i: int) -> _StandInWork:
+        return on_comm(lambda: landing.copy_(source[i * chunk_bytes : i * chunk_bytes + landing.numel()]))
+
+    t0 = time.perf_counter()
+    await group._on_device(host, recv, receive=True, release=None)
+    ring_s = time.perf_counter() - t0
+    out["relay_receive_correct"] = torch.equal(host, source.cpu())
+    out["relay_receive_gbps"] = n_bytes / ring_s / 1e9
+    t0 = time.perf_counter()
+    host.copy_(source)
+    out["plain_d2h_pageable_gbps"] = n_bytes / (time.perf_counter() - t0) / 1e9
+
+    # The trainer: send from device memory written just before on the default stream.
+    sent = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
+    buf = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
+    torch.cuda._sleep(5_000_000)
+    buf.copy_(source)  # queued behind the sleep: the send must wait for it
+
+    def send(chunk: torch.Tensor, i: int) -> _StandInWork:
+        return on_comm(lambda: sent[i * chunk_bytes : i * chunk_bytes + chunk.numel()].copy_(chunk))
+
+    group0 = SyncGroup(None, 1, 0, 2, chunk_bytes=chunk_bytes, timeout=60.0, device=dev)
+    await group0._on_device(buf, send, receive=False, release=None)
+    out["trainer_send_correct"] = torch.equal(sent, source)  # the send returned once the device was done
+    group.close()
+    group0.close()
+
+    # The trainer's snapshot: on its GPU, complete when send_async would return.
+    port = _free_port()
+    scheme = DistributedWeightSyncScheme(backend="nccl", timeout=10, token="t", rank=0, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = make_model(n_bytes // 16).to(dev)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    scheme.init_on_sender(model=model, hosts={1: 1})
+    sender = scheme.sender
+    snap = sender._free_buf()
+    await sender._write(snap, sender._flat(None, False), None)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(4.0)
+    out["snapshot_device"] = str(snap.tensor.device)
+    out["snapshot_correct"] = all(bool((v == 3.0).all()) for v in snap.views.values())
+    await scheme.aclose()
+    return out
+
+
 def dist_failures(report: dict[str, Any], sends: int) -> list[str]:
     failures = []
     results = report["results"]
@@ -329,7 +410,7 @@ async def main() -> int:
     parser.add_argument("--sends", type=int, default=5)
     parser.add_argument("--device", default="cuda:0", help="cpu runs the same checks as a dry run")
     parser.add_argument("--dist", action="store_true", help="check the multi-host device path instead")
-    parser.add_argument("--nccl", action="store_true", help="with --dist: on NCCL (needs 3 GPUs)")
+    parser.add_argument("--no-probe", action="store_true", help="with --dist on one GPU: skip trying NCCL")
     parser.add_argument("--chunk-bytes", type=int, default=16 << 20)
     args = parser.parse_args()
     if args.dist and args.device == "cpu":  # a dry run of the device steps, on CPU memory
@@ -342,9 +423,15 @@ async def main() -> int:
             print("no CUDA device: nothing to check", file=sys.stderr)
             return 2
         report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "params": args.params, "torch": torch.__version__}
-        report["nccl_probe"] = run_nccl_probe()
-        report["dist"] = run_dist(args.params, args.sends, args.nccl, args.chunk_bytes)
-        failures = dist_failures(report["dist"], args.sends)
+        if torch.cuda.device_count() >= 3:
+            report["dist"] = run_dist(args.params, args.sends, True, args.chunk_bytes)
+            failures = dist_failures(report["dist"], args.sends)
+        else:
+            if not args.no_probe:
+                report["nccl_probe"] = run_nccl_probe()
+            steps = await device_steps(args.params * 4, args.chunk_bytes)
+            report["device_steps"] = steps
+            failures = [k for k, v in steps.items() if k.endswith("_correct") and v is not True]
         report["failures"] = failures
         print(json.dumps(report, indent=2, default=str))
         return 1 if failures else 0
