@@ -402,7 +402,7 @@ class Receiver:
         try:
             stager = self._get_stager()
             keys = list(views)
-            stager.pin(seg.buf)
+            await stager.pin(seg.buf)
             await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
             done = True
         finally:
@@ -544,6 +544,8 @@ class Receiver:
             self._slot_views.pop(sid, None)
             seg = self._segments.pop(sid, None)
             if seg is not None:
+                if self._stager is not None:
+                    self._stager.unpin(seg.buf)  # page-locked memory is unregistered before it is unmapped
                 seg.close()
 
     def _ack(self, ack: Ack) -> None:
@@ -574,13 +576,13 @@ class Receiver:
         if not self._no_bye:
             self._send(Bye(self.worker_idx, self._version, reason))
         self._queue.close()
+        if self._stager is not None:
+            self._stager.close()  # unregisters page-locked slots: before they are unmapped
+            self._stager = None
         for seg in self._segments.values():
             seg.close()  # a pending set still viewing a slot was copied above
         self._segments.clear()
         self._slot_views.clear()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
 
 
 def _check_segments(msg: MapSlots, fds: list[int]) -> None:

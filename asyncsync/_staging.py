@@ -68,16 +68,21 @@ class Stager:
             await asyncio.wait([fut])
             raise
 
-    def pin(self, buffer: torch.Tensor) -> None:
-        """Page-lock a shared CPU buffer so host-to-device copies are truly asynchronous."""
-        if self.device.type != "cuda" or buffer.numel() == 0:
+    async def pin(self, buffer: torch.Tensor) -> None:
+        """Page-lock a shared CPU buffer so host-to-device copies are truly asynchronous
+        (once per buffer; in the staging thread when large: registering 400 MB takes tens
+        of milliseconds, which the worker's loop must not spend)."""
+        if self.device.type != "cuda" or buffer.numel() == 0 or buffer.data_ptr() in self._registered:
             return
+        await self.run(buffer.numel() * buffer.element_size(), self._register, buffer)
+
+    def _register(self, buffer: torch.Tensor) -> None:
         ptr = buffer.data_ptr()
         if ptr in self._registered:
             return
         err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)  # type: ignore[no-untyped-call]
         if int(err) == 0:
-            self._registered[ptr] = buffer.numel()
+            self._registered[ptr] = buffer.numel()  # recorded here: a cancelled pin() still unregisters at close
 
     def unpin(self, buffer: torch.Tensor) -> None:
         ptr = buffer.data_ptr()
@@ -98,9 +103,9 @@ class Stager:
             await asyncio.sleep(_POLL_S)
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)  # a copy or registration still running ends first
+            self._executor = None
         for ptr in list(self._registered):
             torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
         self._registered.clear()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
