@@ -631,7 +631,7 @@ class DistSender:
         def release() -> None:
             buf.transfers -= 1
 
-        try:
+        async def move() -> bool:
             if p2p:
                 ranks = {h: self._members.index(h) + 1 for h in hosts}
                 left = [len(hosts)]
@@ -644,11 +644,27 @@ class DistSender:
                 await asyncio.gather(*(group.send(buf.tensor, ranks[h], tag, release_one) for h in hosts))
             else:
                 await group.broadcast(buf.tensor, 0, release)
+            return True
+
+        def member_lost() -> bool:
+            return self._state != "running" or any(self._hosts[h].state != "connected" for h in self._members)
+
+        try:
+            # A member whose control connection ended may still hold its end of the group
+            # open (hung, or cut off on the control link only): the backend would wait for
+            # it until the group's timeout. Give up at once; the backend finishes (or times
+            # out) in the background, holding the buffer until then, and the next
+            # generation goes on without it.
+            moved = await unless(move(), self._changed.wait_until(member_lost, None))
         except BrokenChannelError as exc:
             if self._state == "running":
                 logger.warning("asyncsync: transfer of version %d to hosts %s failed (%s); re-forming the group", version, hosts, exc)
                 self._regroup = True
                 self._changed.notify()
+            return
+        if moved is None:
+            if self._state == "running":
+                logger.warning("asyncsync: transfer of version %d to hosts %s abandoned: a host was lost during it; re-forming the group", version, hosts)
             return
         for h in hosts:
             host = self._hosts[h]
@@ -697,7 +713,10 @@ class DistSender:
         except BrokenChannelError:
             pass
         loop = asyncio.get_running_loop()
-        h.tasks = [loop.create_task(self._read_loop(h, stream)), loop.create_task(stream.heartbeat(self.heartbeat))]
+        for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
+            t.cancel()
+        h.tasks = [t for t in h.tasks if not t.done()]
+        h.tasks += [loop.create_task(self._read_loop(h, stream)), loop.create_task(stream.heartbeat(self.heartbeat))]
         self._regroup = True
         logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
         self._changed.notify()

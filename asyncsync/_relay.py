@@ -305,6 +305,35 @@ class Relay:
         except BrokenChannelError:
             pass
 
+    async def _crash(self, hang: bool = False) -> SyncGroup | None:
+        """What a killed relay process leaves behind, in this process (a test's fault): the
+        control connection ends without ``Bye``, the local workers lose their sender
+        without ``Stop`` (:class:`SenderDiedError`, last weights kept), and the group is
+        dropped (a receive still running in it ends in the backend). With *hang*, the
+        group stays open and receives nothing more, as a hung host's would: it is
+        returned, for the test to close."""
+        if self._state == "closed":
+            return None
+        self._state = "closed"
+        self._changed.notify()
+        if self._stream is not None:
+            self._stream.close()
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.local.aclose(stop=False)
+        if self._stream is not None:
+            await self._stream.aclose()
+            self._stream = None
+        group, self._group = self._group, None
+        self._store = None
+        if group is not None and not hang:
+            group.close()
+            group = None
+        return group
+
     async def wait_stopped(self) -> None:
         """Until the trainer stops this host; raises :class:`SenderDiedError` if it died."""
         await self._changed.wait_until(lambda: self._state != "running", None)
