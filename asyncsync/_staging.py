@@ -9,6 +9,7 @@ from the loop: the loop thread never calls ``torch.cuda.synchronize()``.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,6 +22,33 @@ T = TypeVar("T")
 
 THREAD_BYTES = 1 << 20
 _POLL_S = 0.0002
+
+
+def _cudart_calls() -> tuple[Callable[[int, int, int], int], Callable[[int], int], str]:
+    """``cudaHostRegister`` / ``cudaHostUnregister``, through ctypes when the process has
+    the CUDA runtime loaded (torch loads it globally): a ctypes call releases the GIL, so
+    pinning hundreds of MB in the staging thread leaves the loop running. torch's own
+    binding holds the GIL; it is the fallback."""
+    try:
+        lib = ctypes.CDLL(None)
+        register, unregister = lib.cudaHostRegister, lib.cudaHostUnregister
+    except (AttributeError, OSError):
+        rt = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        return (lambda p, n, f: int(rt.cudaHostRegister(p, n, f))), (lambda p: int(rt.cudaHostUnregister(p))), "torch.cuda.cudart"
+    register.argtypes, register.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint], ctypes.c_int
+    unregister.argtypes, unregister.restype = [ctypes.c_void_p], ctypes.c_int
+    return register, unregister, "ctypes"
+
+
+_cudart: tuple[Callable[[int, int, int], int], Callable[[int], int], str] | None = None
+
+
+def cudart() -> tuple[Callable[[int, int, int], int], Callable[[int], int], str]:
+    """``(register, unregister, how)``, resolved once."""
+    global _cudart
+    if _cudart is None:
+        _cudart = _cudart_calls()
+    return _cudart
 
 
 def copy_tensors(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], non_blocking: bool = False) -> None:
@@ -80,14 +108,14 @@ class Stager:
         ptr = buffer.data_ptr()
         if ptr in self._registered:
             return
-        err = torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0)  # type: ignore[no-untyped-call]
-        if int(err) == 0:
+        err = cudart()[0](ptr, buffer.numel() * buffer.element_size(), 0)
+        if err == 0:
             self._registered[ptr] = buffer.numel()  # recorded here: a cancelled pin() still unregisters at close
 
     def unpin(self, buffer: torch.Tensor) -> None:
         ptr = buffer.data_ptr()
         if self._registered.pop(ptr, None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+            cudart()[1](ptr)
 
     async def _copy_cuda(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         if self._stream is None:
@@ -107,5 +135,5 @@ class Stager:
             self._executor.shutdown(wait=True)  # a copy or registration still running ends first
             self._executor = None
         for ptr in list(self._registered):
-            torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+            cudart()[1](ptr)
         self._registered.clear()

@@ -52,10 +52,16 @@ async def gpu_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_pa
     torch.set_num_threads(1)
     model = make_model(n_params).to(device)
     ptrs0 = [p.data_ptr() for p in model.parameters()]
-    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
     lags: list[float] = []
     wrong: list[int] = []
     stop = asyncio.Event()
+    first = [0]  # ticks before version 0 was applied: set-up (CUDA context, first allocations)
+
+    def applied(idx: int, version: int) -> None:
+        if version == 0:
+            first[0] = len(lags)
+
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model, on_update=applied)
 
     async def ticker() -> None:
         last = time.perf_counter()
@@ -80,8 +86,13 @@ async def gpu_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_pa
         check()
     stable = ptrs0 == [p.data_ptr() for p in model.parameters()]
     stats = scheme.statistics()
+    steady = lags[first[0] :]
+    from asyncsync._staging import cudart
+
     return {
+        "pinning_via": cudart()[2] if device != "cpu" else None,
         "max_loop_lag_ms": max(lags) if lags else None,
+        "max_loop_lag_after_first_update_ms": max(steady) if steady else None,
         "p99_loop_lag_ms": sorted(lags)[int(0.99 * len(lags))] if lags else None,
         "wrong_versions": wrong,
         "addresses_stable": stable,
