@@ -625,7 +625,15 @@ class DistSender:
         buf.transfers += 1
         # Counted when issued: the bytes leave now (a worker may ack before the trainer's
         # side of the operation reports completion).
-        self._last_send_bytes = self._layout.nbytes * len(hosts)
+        # Point-to-point: one copy per host. A gloo broadcast is a binomial tree: the root
+        # sends ceil(log2(members + 1)) copies. NCCL's broadcast is a pipelined ring: one.
+        if p2p:
+            copies = len(hosts)
+        elif self.backend == "nccl":
+            copies = 1
+        else:
+            copies = max(1, (len(self._members) + 1 - 1).bit_length())
+        self._last_send_bytes = self._layout.nbytes * copies
         self._bytes_sent += self._last_send_bytes
 
         def release() -> None:

@@ -24,6 +24,7 @@ Example (rank 0 trains, the other ranks host workers)::
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import secrets
@@ -39,11 +40,12 @@ from ._control import resolve_token
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
 from ._layout import Layout
-from ._receiver import Commit, CommitMode
+from ._loopback import loopback_worker
+from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
 from ._scheme import MultiProcessWeightSyncScheme, _lookup
 from ._sender import ModelRef, OnWorkerError
-from ._stats import DistributedStatistics, SenderStatistics
+from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
 from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
 
 __all__ = ["DistributedWeightSyncScheme"]
@@ -180,6 +182,7 @@ class DistributedWeightSyncScheme:
         self._sender: DistSender | None = None
         self._relay: Relay | None = None
         self._local: MultiProcessWeightSyncScheme | None = None
+        self._worker: MultiProcessWeightSyncScheme | None = None  # init_on_receiver: the worker in this process
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -336,6 +339,65 @@ class DistributedWeightSyncScheme:
         local_rank = os.environ.get("LOCAL_RANK")
         return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
 
+    # ------------------------------------------------------------------ one worker per rank
+
+    def init_on_receiver(
+        self,
+        model_id: str | None = None,
+        context: Any = None,
+        *,
+        model: nn.Module | None = None,
+        worker_idx: int = 0,
+        on_update: OnUpdate | None = None,
+        device: torch.device | str | None = None,
+        host: int | None = None,
+    ) -> None:
+        """Make this rank a host whose only worker is this process (torchrl's layout: one
+        worker per rank): its relay and its worker share this event loop, and the trainer
+        names the worker ``(host, 0)``. *model* (or ``context.<model_id>``) receives the
+        weights, as with :meth:`MultiProcessWeightSyncScheme.init_on_receiver`; then
+        ``connect`` / ``version`` / ``commit`` / ``wait_for_version`` / ``wait_stopped``
+        / ``aclose`` work as on a worker. *worker_idx* must be 0 (one worker per rank).
+
+        Example (on every rank but the trainer's)::
+
+            scheme = DistributedWeightSyncScheme(token="s3cret")   # RANK, WORLD_SIZE, MASTER_* from the env
+            scheme.init_on_receiver(model=policy)
+            async with scheme:                   # returns once the first weights are applied
+                while True:
+                    act(policy)                  # new versions land between two steps
+        """
+        if worker_idx != 0:
+            raise ValueError(f"init_on_receiver runs one worker per rank: worker_idx must be 0, got {worker_idx}")
+        if model is None:
+            model = resolve_model(context, model_id)
+        if model is None:
+            raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
+        local = self.init_on_relay(model=model, num_workers=1, host=host)
+        worker = loopback_worker(local, 0)
+        worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device)
+        self._worker = worker
+
+    @property
+    def worker(self) -> MultiProcessWeightSyncScheme:
+        """After :meth:`init_on_receiver`: this process's worker (its local scheme)."""
+        if self._worker is None:
+            raise RuntimeError("call init_on_receiver() first")
+        return self._worker
+
+    def commit(self) -> int | None:
+        """Worker, ``commit_mode="manual"``: commit the staged version now."""
+        return self.worker.commit()
+
+    @property
+    def update_pending(self) -> bool:
+        """Worker: a staged version waits for :meth:`commit`."""
+        return self.worker.update_pending
+
+    async def wait_for_version(self, version: int, *, timeout: float | None = _DEFAULT) -> int:
+        """Worker: wait until the model runs *version* or newer."""
+        return await self.worker.wait_for_version(version, timeout=timeout)
+
     @property
     def local(self) -> MultiProcessWeightSyncScheme:
         """A relay's local scheme: pass it to ``spawn_workers(..., scheme=scheme.local)``."""
@@ -366,7 +428,12 @@ class DistributedWeightSyncScheme:
 
     async def connect(self, timeout: float | None = _DEFAULT) -> int:
         """Trainer: send version 0 to every worker of every host and wait for every ack.
-        Relay: join the trainer; return once the first weights reached the local workers."""
+        Relay: join the trainer; return once the first weights reached the local workers.
+        Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
+        if self._worker is not None:
+            relay, worker = self.relay, self._worker
+            version, _ = await asyncio.gather(relay.connect(timeout=timeout), worker.connect(timeout=timeout))
+            return int(version)
         return await self._side().connect(timeout=timeout)
 
     async def aclose(self) -> None:
@@ -376,6 +443,8 @@ class DistributedWeightSyncScheme:
             await self._sender.aclose()
         elif self._relay is not None:
             await self._relay.aclose()
+        if self._worker is not None:
+            await self._worker.aclose()
         self._store = None
 
     async def __aenter__(self) -> DistributedWeightSyncScheme:
@@ -389,13 +458,19 @@ class DistributedWeightSyncScheme:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
-    def statistics(self) -> DistributedStatistics | SenderStatistics:
-        """Trainer: :class:`DistributedStatistics`. Relay: its local sender's statistics."""
+    def statistics(self) -> DistributedStatistics | SenderStatistics | ReceiverStatistics:
+        """Trainer: :class:`DistributedStatistics`. Relay: its local sender's statistics.
+        Worker (:meth:`init_on_receiver`): its receiver's statistics."""
+        if self._worker is not None:
+            return self._worker.statistics()
         return self._side().statistics()
 
     @property
     def version(self) -> int:
-        """Trainer: newest version sent. Relay: newest version landed on this host."""
+        """Trainer: newest version sent. Relay: newest version landed on this host.
+        Worker (:meth:`init_on_receiver`): the version its model runs."""
+        if self._worker is not None:
+            return self._worker.version
         return self._side().version
 
     async def send(
@@ -422,7 +497,11 @@ class DistributedWeightSyncScheme:
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
 
     async def wait_stopped(self) -> None:
-        """Relay: until the trainer stops this host; :class:`SenderDiedError` if it died."""
+        """Relay (or worker): until the trainer stops this host; :class:`SenderDiedError`
+        if it died (the worker keeps its last complete weights)."""
+        if self._worker is not None:
+            await self._worker.wait_stopped()
+            return
         await self.relay.wait_stopped()
 
 

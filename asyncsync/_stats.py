@@ -202,9 +202,11 @@ class DistributedStatistics:
 
     Attributes:
         version: newest version sent (-1 before ``connect``). sends: sends published.
-        bytes_sent: bytes the trainer put on the network so far (one copy per host, counted
-            when a transfer is issued); last_send_bytes: bytes of the last transfer issued
-            (``buffer_bytes x hosts``).
+        bytes_sent: bytes the trainer put on the network so far (counted when a transfer
+            is issued); last_send_bytes: bytes of the last transfer issued: ``buffer_bytes``
+            times the copies the trainer sends (point-to-point: one per host; a gloo
+            broadcast, a binomial tree: ``ceil(log2(hosts + 1))``; an NCCL broadcast, a
+            pipelined ring: one).
         buffers / buffer_bytes: wire buffers (snapshots) allocated, and the size of one.
         last_copy_ms: time the last send spent copying weights into its buffer.
         generation / members: the weight-sync group now formed, and the hosts in it.

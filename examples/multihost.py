@@ -14,7 +14,12 @@ Two machines (the trainer on node 0, one host on node 1)::
     torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0 --master-addr=10.0.0.1 --master-port=29500 examples/multihost.py
     torchrun --nnodes=2 --nproc-per-node=1 --node-rank=1 --master-addr=10.0.0.1 --master-port=29500 examples/multihost.py
 
-Options: ``--workers-per-host N`` (default 2), ``--steps N`` (default 10).
+Options: ``--workers-per-host N`` (default 2), ``--steps N`` (default 10),
+``--rank-is-worker``: torchrl's layout, every rank but the trainer's *is* one worker
+(``init_on_receiver`` on the multi-host scheme, the same ``rollout_worker`` run in the
+rank's own process; no worker processes are spawned)::
+
+    torchrun --standalone --nproc-per-node=3 examples/multihost.py --rank-is-worker
 """
 
 from __future__ import annotations
@@ -64,14 +69,22 @@ async def host(scheme: DistributedWeightSyncScheme, workers_per_host: int) -> No
         print(f"[host {scheme.rank}] worker {idx}: finished at version {res['version']} after {res['steps']} steps", flush=True)
 
 
+async def rank_worker(scheme: DistributedWeightSyncScheme) -> None:
+    result = await rollout_worker(0, scheme)  # type: ignore[arg-type]  # the quickstart's worker, unchanged
+    print(f"[host {scheme.rank}] worker 0: finished at version {result['version']} after {result['steps']} steps", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers-per-host", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rank-is-worker", action="store_true", help="every rank but the trainer's is one worker")
     args = p.parse_args()
     scheme = DistributedWeightSyncScheme(strategy="tensordict", timeout=60)  # RANK, WORLD_SIZE, MASTER_* from torchrun
     if scheme.rank == 0:
-        asyncio.run(train(scheme, args.workers_per_host, args.steps))
+        asyncio.run(train(scheme, 1 if args.rank_is_worker else args.workers_per_host, args.steps))
+    elif args.rank_is_worker:
+        asyncio.run(rank_worker(scheme))
     else:
         asyncio.run(host(scheme, args.workers_per_host))
 

@@ -176,6 +176,41 @@ async def test_a_hung_host_does_not_hold_up_the_others_until_the_backend_times_o
             await workers[h].aclose()
 
 
+async def test_a_rank_can_be_the_worker_itself_with_init_on_receiver() -> None:
+    """torchrl's layout: every non-trainer rank is one worker. Its relay and worker share
+    this loop; the trainer names it (host, 0); manual commits, stop and versions work."""
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=free_port(), heartbeat=0.5)
+    model = make_model()
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    rank1 = DistributedWeightSyncScheme(rank=1, commit_mode="manual", **common)
+    policy = make_model()
+    fill_(policy, -1.0)
+    seen: list[int] = []
+    rank1.init_on_receiver(model=policy, on_update=lambda _w, v: seen.append(v))
+    with pytest.raises(RuntimeError, match="already initialised"):
+        rank1.init_on_receiver(model=policy)
+    try:
+        joining = asyncio.gather(trainer.connect(), rank1.connect())
+        await rank1.wait_for_version(0)  # staged, not committed: manual mode
+        assert rank1.update_pending and rank1.version == -1 and bool((policy[0].weight == -1.0).all())
+        assert rank1.commit() == 0
+        await joining
+        fill_(model, 5.0)
+        sending = asyncio.ensure_future(trainer.send())
+        await rank1.wait_for_version(1)
+        assert rank1.commit() == 1 and rank1.version == 1 == await sending
+        assert all(bool((p == 5.0).all()) for p in policy.parameters())
+        assert trainer.sender.applied_versions() == {(1, 0): 1} and seen == [0, 1]
+        assert rank1.statistics().version == 1  # type: ignore[union-attr]
+        stopped = asyncio.ensure_future(rank1.wait_stopped())
+        await trainer.aclose()
+        await stopped  # the trainer's aclose stops the rank's worker
+    finally:
+        await trainer.aclose()
+        await rank1.aclose()
+
+
 def snapshot() -> tuple[set[str], set[int]]:
     gc.collect()
     return set(os.listdir("/proc/self/fd")), {t.ident or 0 for t in threading.enumerate()}
