@@ -6,7 +6,8 @@ as with :class:`MultiProcessWeightSyncScheme`; worker ids are ``(host, local ind
 Every other host calls :meth:`~DistributedWeightSyncScheme.init_on_relay` and hands the
 scheme to its workers (``spawn_workers(fn, n, args=(scheme,), scheme=scheme.local)``):
 pickled, it *is* the host's local scheme, so the worker function is the one used on one
-host. See docs/multihost.md.
+host. A rank that is itself the worker (torchrl's layout) calls
+:meth:`~DistributedWeightSyncScheme.init_on_receiver` instead. See docs/multihost.md.
 
 Example (rank 0 trains, the other ranks host workers)::
 
