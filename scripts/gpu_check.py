@@ -245,17 +245,17 @@ def _role(rank: int, port: int, nccl: bool, chunk_bytes: int, n_params: int, sen
         out.put((rank, {"error": traceback.format_exc()[-3000:]}))
 
 
-def run_dist(n_params: int, sends: int, nccl: bool, chunk_bytes: int, cpu: bool = False) -> dict[str, object]:
+def _run_ranks(target: Any, ranks: int, args: tuple[Any, ...], timeout: float) -> dict[int, object]:
+    """``target(rank, *args, out)`` in *ranks* spawned processes; ``{rank: what it put}``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_role, args=(r, port, nccl, chunk_bytes, n_params, sends, cpu, out)) for r in range(3)]
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(ranks)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
     try:
         for _ in procs:
-            rank, res = out.get(timeout=240)
+            rank, res = out.get(timeout=timeout)
             results[rank] = res
     except Exception as exc:
         results[-1] = {"error": f"no result: {exc!r}"}
@@ -264,6 +264,11 @@ def run_dist(n_params: int, sends: int, nccl: bool, chunk_bytes: int, cpu: bool 
         if p.exitcode is None:
             p.kill()
             p.join()
+    return results
+
+
+def run_dist(n_params: int, sends: int, nccl: bool, chunk_bytes: int, cpu: bool = False) -> dict[str, object]:
+    results = _run_ranks(_role, 3, (_free_port(), nccl, chunk_bytes, n_params, sends, cpu), 240)
     return {"backend": "nccl" if nccl else "gloo (device steps on CPU)", "chunk_bytes": chunk_bytes, "results": results}
 
 
@@ -300,25 +305,7 @@ def _nccl_probe(rank: int, port: int, out: Any) -> None:
 
 
 def run_nccl_probe() -> dict[str, object]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_nccl_probe, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    try:
-        for _ in procs:
-            rank, res = out.get(timeout=90)
-            results[rank] = res
-    except Exception as exc:
-        results[-1] = {"error": f"no result: {exc!r}"}
-    for p in procs:
-        p.join(10)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
-    return {"gpus": torch.cuda.device_count(), "results": results}
+    return {"gpus": torch.cuda.device_count(), "results": _run_ranks(_nccl_probe, 2, (_free_port(),), 90)}
 
 
 class _StandInWork:
