@@ -314,25 +314,9 @@ class Relay:
         returned, for the test to close."""
         if self._state == "closed":
             return None
-        self._state = "closed"
-        self._changed.notify()
         if self._stream is not None:
             self._stream.close()
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        await self.local.aclose(stop=False)
-        if self._stream is not None:
-            await self._stream.aclose()
-            self._stream = None
-        group, self._group = self._group, None
-        self._store = None
-        if group is not None and not hang:
-            group.close()
-            group = None
-        return group
+        return await self._release(stop=False, keep_group=hang)
 
     async def wait_stopped(self) -> None:
         """Until the trainer stops this host; raises :class:`SenderDiedError` if it died."""
@@ -353,6 +337,12 @@ class Relay:
                 await asyncio.wait_for(self._stream.drain(), 2.0)
             except (BrokenChannelError, asyncio.TimeoutError, TimeoutError):
                 pass
+        await self._release(stop=True)
+
+    async def _release(self, stop: bool, keep_group: bool = False) -> SyncGroup | None:
+        """Close: end the tasks, the local sender (*stop*: its workers get ``Stop``, else
+        they see their sender gone), the control stream and the group (unless *keep_group*:
+        then it is returned, open)."""
         self._state = "closed"
         self._changed.notify()
         for t in self._tasks:
@@ -360,14 +350,16 @@ class Relay:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self.local.aclose()
+        await self.local.aclose(stop=stop)
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
-        if self._group is not None:
-            self._group.close()
-            self._group = None
+        group, self._group = self._group, None
         self._store = None
+        if group is not None and not keep_group:
+            group.close()
+            group = None
+        return group
 
 
 async def _off_loop(fn: Any, *args: Any) -> Any:
