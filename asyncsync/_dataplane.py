@@ -174,13 +174,19 @@ class SyncGroup:
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-nccl")
         self._waiter.submit(self._device_run, buf, issue, receive, done)
-        error: str | None = None
+        self._raise(await self._outcome_of(afut))
+
+    async def _outcome_of(self, fut: asyncio.Future[Any]) -> str | None:
+        """Await the backend's *fut*, bounded by the group's timeout: what went wrong, if anything."""
         try:
-            await asyncio.wait_for(afut, self.timeout)
+            await asyncio.wait_for(fut, self.timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            error = f"a transfer took more than {self.timeout}s"
+            return f"a transfer took more than {self.timeout}s"
         except RuntimeError as exc:
-            error = str(exc)
+            return str(exc)
+        return None
+
+    def _raise(self, error: str | None) -> None:
         if error is not None:
             raise BrokenChannelError(f"weight-sync group generation {self.generation}: {error}")
 
@@ -275,23 +281,17 @@ class SyncGroup:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-gloo")
             self._waiter.submit(_wait_work, work, done)
             del work
-        error: str | None = None
         gathered = asyncio.gather(*futures)
         gathered.add_done_callback(_retrieve)  # abandoned (cancelled) waits leave no "never retrieved" error
         try:
-            await asyncio.wait_for(gathered, self.timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            error = f"a transfer took more than {self.timeout}s"
-        except RuntimeError as exc:
-            error = str(exc)
+            error = await self._outcome_of(gathered)
         finally:
             # No reference to a work may outlive this call (not even through a traceback):
             # a work keeps its group's connections open, and closing them is what releases
             # a peer still blocked in the group once it is dropped.
             works.clear()
             futures.clear()
-        if error is not None:
-            raise BrokenChannelError(f"weight-sync group generation {self.generation}: {error}")
+        self._raise(error)
 
     @property
     def busy(self) -> bool:
