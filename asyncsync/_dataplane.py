@@ -29,7 +29,7 @@ import datetime
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -102,6 +102,8 @@ class SyncGroup:
                 return _nccl_group(prefixed, rank, size, timeout, device)
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
+        if backend == "nccl":
+            _nccl_environment()  # here, on the loop, before the build thread starts
         loop = asyncio.get_running_loop()
         ex = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-group")
         fut = loop.run_in_executor(ex, build)
@@ -158,6 +160,8 @@ class SyncGroup:
         self, buf: torch.Tensor, issue: Callable[[torch.Tensor, int], Any], receive: bool, release: Callable[[], None] | None
     ) -> None:
         """Run one operation of a device group in its thread; as :meth:`_wait` otherwise."""
+        if self._closed:
+            raise BrokenChannelError(f"weight-sync group generation {self.generation} is closed")
         loop = asyncio.get_running_loop()
         afut: asyncio.Future[None] = loop.create_future()
         afut.add_done_callback(_retrieve)
@@ -205,7 +209,7 @@ class SyncGroup:
                 if stream is not None:
                     stream.wait_stream(torch.cuda.default_stream(dev))  # what was written into buf before
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    if buf.device == dev:
+                    if _same_device(buf.device, dev):
                         works = [issue(chunk, i) for i, chunk in enumerate(self._chunks(buf))]
                         for work in works:
                             work.wait()
@@ -318,55 +322,68 @@ class SyncGroup:
             self._destroy(background)
         elif self.device is not None:
             # NCCL can end what it runs: abort the communicator (the waits in the group's
-            # thread raise, and the group goes once they returned).
-            abort = getattr(self.pg, "abort", None)
-            try:
-                if abort is not None:
-                    abort()
-            except Exception as exc:  # e.g. a backend without abort: it ends at its timeout
-                logger.debug("asyncsync: aborting weight-sync group generation %d: %r", self.generation, exc)
+            # thread raise, and the group goes once they returned). In a thread of its
+            # own: an abort waits for NCCL, which is slow exactly when a peer hangs.
+            threading.Thread(target=_abort, args=(self.pg, self.generation), name="asyncsync-group-abort", daemon=True).start()
 
     def _destroy(self, background: bool) -> None:
         pg, self.pg = self.pg, None
         self._ring = []
         if pg is None:
             return
-        if background:
+        if background or self.device is not None:  # an NCCL shutdown may wait for the device: never on the loop
             threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
         else:
             _drop([pg])
         del pg
 
 
+NCCL_ENVIRONMENT = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def _nccl_environment() -> None:
+    """Waits that block (and raise on an error or a timeout) instead of a watchdog that
+    tears the process down: read by each ProcessGroupNCCL's constructor. Set once for the
+    process (changing the environment while other threads read it is not safe), unless
+    the user set them; NCCL groups the user creates later see them too (documented)."""
+    for key, value in NCCL_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
 def _nccl_group(store: Any, rank: int, size: int, timeout: float, device: torch.device) -> Any:
-    """An NCCL group whose waits block (and raise on error or timeout) instead of tearing
-    the process down, with its communicator set up now, not inside the first transfer."""
+    """An NCCL group with its communicator set up now, not inside the first transfer."""
     nccl: Any = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None:
         raise RuntimeError("this torch has no NCCL (a CPU-only build?)")
     opts = nccl.Options()
     opts._timeout = datetime.timedelta(seconds=timeout)
     opts.is_high_priority_stream = False
-    with _environ(TORCH_NCCL_BLOCKING_WAIT="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="0"):  # read by the constructor
-        pg = nccl(store, rank, size, opts)
-    with torch.cuda.device(device):
-        probe = torch.zeros(1, dtype=torch.uint8, device=device)
-        pg.broadcast([probe], dist.BroadcastOptions()).wait()
+    pg = nccl(store, rank, size, opts)
+    try:
+        with torch.cuda.device(device):
+            probe = torch.zeros(1, dtype=torch.uint8, device=device)
+            pg.broadcast([probe], dist.BroadcastOptions()).wait()
+    except BaseException:
+        _abort(pg, -1)
+        raise
     return pg
 
 
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+def _abort(pg: Any, generation: int) -> None:
     try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        pg.abort()
+    except Exception as exc:  # e.g. a backend without abort: it ends at its timeout
+        logger.debug("asyncsync: aborting weight-sync group generation %d: %r", generation, exc)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when 0 is the current one (torch says they differ)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _copy_out(work: Any, landing: torch.Tensor, chunk: torch.Tensor) -> None:

@@ -515,6 +515,8 @@ class DistSender:
         t0 = time.perf_counter()
         if self._layout.nbytes < _THREAD_COPY_BYTES:
             copy_tensors(dst, src)
+            if self.device is not None and self.device.type == "cuda":
+                await _device_done(self.device)  # polled: the loop never synchronizes a stream
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
@@ -654,8 +656,12 @@ class DistSender:
                 await group.broadcast(buf.tensor, 0, release)
             return True
 
-        def member_lost() -> bool:
-            return self._state != "running" or any(self._hosts[h].state != "connected" for h in self._members)
+        connections = {h: self._hosts[h].connections for h in self._members}
+
+        def member_lost() -> bool:  # (a host that connected again was lost in between, too)
+            return self._state != "running" or any(
+                self._hosts[h].state != "connected" or self._hosts[h].connections != n for h, n in connections.items()
+            )
 
         try:
             # A member whose control connection ended may still hold its end of the group
@@ -822,6 +828,14 @@ class DistSender:
         h.stream = None
         self._regroup = True  # without it (also while a generation is forming)
         self._changed.notify()
+
+
+async def _device_done(device: torch.device) -> None:
+    """Until the work queued so far on *device*'s current stream (the snapshot copy) ran."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    while not event.query():  # type: ignore[no-untyped-call]
+        await asyncio.sleep(0.0002)
 
 
 def _copy_snapshot(dst: list[torch.Tensor], src: list[torch.Tensor], device: torch.device | None) -> None:

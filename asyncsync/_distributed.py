@@ -333,7 +333,8 @@ class DistributedWeightSyncScheme:
         if self.backend != "nccl":
             return self._wire_device
         if self.device is not None:
-            return self.device
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            return torch.device("cuda", index)
         for t in (flat or {}).values():
             if t.device.type == "cuda":
                 return t.device
@@ -432,8 +433,14 @@ class DistributedWeightSyncScheme:
         Relay: join the trainer; return once the first weights reached the local workers.
         Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
         if self._worker is not None:
-            relay, worker = self.relay, self._worker
-            version, _ = await asyncio.gather(relay.connect(timeout=timeout), worker.connect(timeout=timeout))
+            both = [asyncio.ensure_future(self.relay.connect(timeout=timeout)), asyncio.ensure_future(self._worker.connect(timeout=timeout))]
+            try:
+                version, _ = await asyncio.gather(*both)
+            except BaseException:
+                for t in both:  # neither may outlive the other's failure
+                    t.cancel()
+                await asyncio.gather(*both, return_exceptions=True)
+                raise
             return int(version)
         return await self._side().connect(timeout=timeout)
 

@@ -252,6 +252,10 @@ class Relay:
                 task.cancel()
                 await asyncio.wait({task})
                 raise StillWriting(f"transfer of version {op.version} abandoned: the trainer re-forms the group", released)
+            if task.exception() is not None and not released.done():
+                # Failed on this side (a timeout) while the backend still writes buf: the
+                # slot must stay reserved and mapped until it is done.
+                raise StillWriting(f"transfer of version {op.version} failed: {task.exception()}", released)
             task.result()
 
         try:

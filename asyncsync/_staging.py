@@ -22,6 +22,7 @@ T = TypeVar("T")
 
 THREAD_BYTES = 1 << 20
 _POLL_S = 0.0002
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
 def _cudart_calls() -> tuple[Callable[[int, int, int], int], Callable[[int], int], str]:
@@ -108,14 +109,16 @@ class Stager:
         ptr = buffer.data_ptr()
         if ptr in self._registered:
             return
-        err = cudart()[0](ptr, buffer.numel() * buffer.element_size(), 0)
+        with torch.cuda.device(self.device):  # this thread's context is the worker's device's
+            err = cudart()[0](ptr, buffer.numel() * buffer.element_size(), _HOST_REGISTER_PORTABLE)
         if err == 0:
             self._registered[ptr] = buffer.numel()  # recorded here: a cancelled pin() still unregisters at close
 
     def unpin(self, buffer: torch.Tensor) -> None:
         ptr = buffer.data_ptr()
         if self._registered.pop(ptr, None) is not None:
-            cudart()[1](ptr)
+            with torch.cuda.device(self.device):
+                cudart()[1](ptr)
 
     async def _copy_cuda(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         if self._stream is None:
@@ -135,5 +138,6 @@ class Stager:
             self._executor.shutdown(wait=True)  # a copy or registration still running ends first
             self._executor = None
         for ptr in list(self._registered):
-            cudart()[1](ptr)
+            with torch.cuda.device(self.device):
+                cudart()[1](ptr)
         self._registered.clear()

@@ -211,6 +211,35 @@ async def test_a_rank_can_be_the_worker_itself_with_init_on_receiver() -> None:
         await rank1.aclose()
 
 
+async def test_a_device_transfer_that_times_out_releases_its_buffer_only_once_the_backend_is_done() -> None:
+    """The loop gives up at the group's timeout, but the thread (NCCL) may still write the
+    buffer: ``release`` (which frees a relay's slot) waits for it; a closed group refuses."""
+    from asyncsync import BrokenChannelError
+    from asyncsync._dataplane import SyncGroup
+
+    group = SyncGroup(None, 1, 1, 2, chunk_bytes=4, timeout=0.05, device=torch.device("cpu"))
+    go = threading.Event()
+    released = asyncio.get_running_loop().create_future()
+
+    class Stuck:
+        def __init__(self, landing: torch.Tensor) -> None:
+            self.landing = landing
+
+        def wait(self) -> None:
+            go.wait(30)  # a receive the backend has not finished
+            self.landing.fill_(7)
+
+    with pytest.raises(BrokenChannelError, match="took more than"):
+        await group._on_device(torch.zeros(8, dtype=torch.uint8), lambda landing, i: Stuck(landing), receive=True, release=lambda: released.set_result(None))
+    assert not released.done() and group.busy
+    go.set()
+    await released
+    assert not group.busy
+    group.close()
+    with pytest.raises(BrokenChannelError, match="closed"):
+        await group._on_device(torch.zeros(8, dtype=torch.uint8), lambda landing, i: Stuck(landing), receive=True, release=None)
+
+
 def snapshot() -> tuple[set[str], set[int]]:
     gc.collect()
     return set(os.listdir("/proc/self/fd")), {t.ident or 0 for t in threading.enumerate()}
