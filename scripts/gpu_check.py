@@ -368,23 +368,29 @@ async def device_steps(n_bytes: int, chunk_bytes: int) -> dict[str, object]:
     group.close()
     group0.close()
 
-    # The trainer's snapshot: on its GPU, complete when send_async would return.
-    port = _free_port()
-    scheme = DistributedWeightSyncScheme(backend="nccl", timeout=10, token="t", rank=0, world_size=2, master_addr="127.0.0.1", master_port=port)
-    model = make_model(n_bytes // 16).to(dev)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(3.0)
-    scheme.init_on_sender(model=model, hosts={1: 1})
-    sender = scheme.sender
-    snap = sender._free_buf()
-    await sender._write(snap, sender._flat(None, False), None)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(4.0)
-    out["snapshot_device"] = str(snap.tensor.device)
-    out["snapshot_correct"] = all(bool((v == 3.0).all()) for v in snap.views.values())
-    await scheme.aclose()
+    # The trainer's snapshot: on its GPU, complete when send_async would return; a large
+    # one (copied in a thread) and a small one (copied on the loop, awaited by an event),
+    # with device="cuda" (no index) as a user may write it.
+    for label, n_params in (("snapshot", n_bytes // 16), ("small_snapshot", 100_000)):
+        port = _free_port()
+        scheme = DistributedWeightSyncScheme(
+            backend="nccl", device="cuda", timeout=10, token="t", rank=0, world_size=2, master_addr="127.0.0.1", master_port=port
+        )
+        model = make_model(n_params).to(dev)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(3.0)
+        scheme.init_on_sender(model=model, hosts={1: 1})
+        sender = scheme.sender
+        snap = sender._free_buf()
+        torch.cuda._sleep(5_000_000)  # queued work ahead of the copy: the snapshot must wait for it
+        await sender._write(snap, sender._flat(None, False), None)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(4.0)
+        out[f"{label}_device"] = str(snap.tensor.device)
+        out[f"{label}_correct"] = all(bool((v == 3.0).all()) for v in snap.views.values())
+        await scheme.aclose()
     return out
 
 
