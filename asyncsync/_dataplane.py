@@ -221,6 +221,13 @@ class SyncGroup:
                     else:
                         raise ValueError(f"a {self.device} group sends from {self.device} memory, not from {buf.device}")
         except BaseException as exc:  # delivered to the loop
+            if self._stream is not None:
+                try:
+                    # Queued device work may still read or write buf: the buffer is released
+                    # (free for the next snapshot or slot) only once the device is done.
+                    self._stream.synchronize()
+                except Exception:  # noqa: S110 - the error that matters is exc
+                    pass
             done(exc)
             return
         done(None)
