@@ -105,16 +105,42 @@ class SyncGroup:
         if backend == "nccl":
             _nccl_environment()  # here, on the loop, before the build thread starts
         loop = asyncio.get_running_loop()
-        ex = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-group")
-        fut = loop.run_in_executor(ex, build)
+        fut: asyncio.Future[Any] = loop.create_future()
+        fut.add_done_callback(_retrieve)
+
+        def settle(pg: Any, exc: BaseException | None) -> None:
+            if fut.done():  # abandoned: a group built too late goes, off the loop
+                if pg is not None:
+                    threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
+            elif exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(pg)
+
+        def run() -> None:
+            pg, exc = None, None
+            try:
+                pg = build()
+            except BaseException as e:  # delivered to the loop
+                exc = e
+            try:
+                loop.call_soon_threadsafe(settle, pg, exc)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                if pg is not None:
+                    _drop([pg])
+
+        # A daemon thread, not an executor's: a rendezvous left waiting for a dead member
+        # cannot be interrupted (it ends at the store's timeout), and must not hold up the
+        # interpreter's exit meanwhile.
+        thread = threading.Thread(target=run, name="asyncsync-group", daemon=True)
+        thread.start()
         try:
             pg = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except BaseException:
-            # The rendezvous cannot be interrupted: its thread ends by itself (store timeout).
-            fut.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
-            ex.shutdown(wait=False)
+            if not fut.done():
+                fut.cancel()  # a group built later is dropped by settle
             raise
-        ex.shutdown(wait=True)  # the thread is done: join it
+        thread.join()  # it is done: join it
         return cls(pg, generation, rank, size, chunk_bytes, timeout, device)
 
     def _chunks(self, buf: torch.Tensor) -> list[torch.Tensor]:
