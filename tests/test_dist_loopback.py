@@ -240,6 +240,19 @@ async def test_a_device_transfer_that_times_out_releases_its_buffer_only_once_th
         await group._on_device(torch.zeros(8, dtype=torch.uint8), lambda landing, i: Stuck(landing), receive=True, release=None)
 
 
+def test_backend_and_device_are_checked_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+        DistributedWeightSyncScheme(backend="mpi", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="NCCL wire's CUDA device"):
+        DistributedWeightSyncScheme(backend="gloo", device="cuda:0", rank=0, world_size=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            DistributedWeightSyncScheme(backend="nccl", rank=0, world_size=2)
+    else:
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            DistributedWeightSyncScheme(backend="nccl", device="cpu", rank=0, world_size=2)
+
+
 def snapshot() -> tuple[set[str], set[int]]:
     gc.collect()
     return set(os.listdir("/proc/self/fd")), {t.ident or 0 for t in threading.enumerate()}
