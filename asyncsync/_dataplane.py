@@ -45,6 +45,12 @@ logger = logging.getLogger("asyncsync")
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
+Buffer = torch.Tensor | list[torch.Tensor]  # one flat uint8 tensor, or its byte ranges
+
+
+def _device_of(buf: Buffer) -> torch.device:
+    return buf[0].device if isinstance(buf, list) else buf.device
+
 
 class SyncGroup:
     """One generation of the weight-sync process group (rank 0 is the trainer)."""
@@ -143,12 +149,16 @@ class SyncGroup:
         thread.join()  # it is done: join it
         return cls(pg, generation, rank, size, chunk_bytes, timeout, device)
 
-    def _chunks(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        flat = buf.view(-1)
-        n = flat.numel()
-        return [flat[i : i + self.chunk_bytes] for i in range(0, max(n, 1), self.chunk_bytes)] if n else []
+    def _chunks(self, buf: Buffer) -> list[torch.Tensor]:
+        """*buf* (one flat uint8 tensor, or several: the byte ranges of a partial update)
+        in pieces of at most ``chunk_bytes``."""
+        out: list[torch.Tensor] = []
+        for piece in buf if isinstance(buf, list) else [buf]:
+            flat = piece.view(-1)
+            out += [flat[i : i + self.chunk_bytes] for i in range(0, flat.numel(), self.chunk_bytes)]
+        return out
 
-    async def broadcast(self, buf: torch.Tensor, root: int = 0, release: Callable[[], None] | None = None) -> None:
+    async def broadcast(self, buf: Buffer, root: int = 0, release: Callable[[], None] | None = None) -> None:
         """Broadcast *buf* (a contiguous uint8 tensor) from *root* to every member.
 
         *release* is called (on the loop) once the backend no longer touches *buf*: at
@@ -166,7 +176,7 @@ class SyncGroup:
         works = [issue(chunk, i) for i, chunk in enumerate(self._chunks(buf))]
         await self._wait(works, use_future=True, release=release)
 
-    async def send(self, buf: torch.Tensor, dst: int, tag: int, release: Callable[[], None] | None = None) -> None:
+    async def send(self, buf: Buffer, dst: int, tag: int, release: Callable[[], None] | None = None) -> None:
         """Point-to-point: *buf* to member *dst*; chunk ``i`` carries tag ``tag + i``."""
         if self.device is not None:
             await self._on_device(buf, lambda chunk, i: self.pg.send([chunk], dst, tag + i), receive=False, release=release)
@@ -174,7 +184,7 @@ class SyncGroup:
         works = [self.pg.send([chunk], dst, tag + i) for i, chunk in enumerate(self._chunks(buf))]
         await self._wait(works, use_future=False, release=release)
 
-    async def recv(self, buf: torch.Tensor, src: int, tag: int, release: Callable[[], None] | None = None) -> None:
+    async def recv(self, buf: Buffer, src: int, tag: int, release: Callable[[], None] | None = None) -> None:
         """Point-to-point: fill *buf* from member *src* (the tags of :meth:`send`)."""
         if self.device is not None:
             await self._on_device(buf, lambda chunk, i: self.pg.recv([chunk], src, tag + i), receive=True, release=release)
@@ -183,7 +193,7 @@ class SyncGroup:
         await self._wait(works, use_future=False, release=release)
 
     async def _on_device(
-        self, buf: torch.Tensor, issue: Callable[[torch.Tensor, int], Any], receive: bool, release: Callable[[], None] | None
+        self, buf: Buffer, issue: Callable[[torch.Tensor, int], Any], receive: bool, release: Callable[[], None] | None
     ) -> None:
         """Run one operation of a device group in its thread; as :meth:`_wait` otherwise."""
         if self._closed:
@@ -221,7 +231,7 @@ class SyncGroup:
             raise BrokenChannelError(f"weight-sync group generation {self.generation}: {error}")
 
     def _device_run(
-        self, buf: torch.Tensor, issue: Callable[[torch.Tensor, int], Any], receive: bool, done: Callable[[BaseException | None], None]
+        self, buf: Buffer, issue: Callable[[torch.Tensor, int], Any], receive: bool, done: Callable[[BaseException | None], None]
     ) -> None:
         """In the group's thread: issue every chunk, then block until the device is done."""
         try:
@@ -235,7 +245,7 @@ class SyncGroup:
                 if stream is not None:
                     stream.wait_stream(torch.cuda.default_stream(dev))  # what was written into buf before
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    if _same_device(buf.device, dev):
+                    if _same_device(_device_of(buf), dev):
                         works = [issue(chunk, i) for i, chunk in enumerate(self._chunks(buf))]
                         for work in works:
                             work.wait()
@@ -245,7 +255,7 @@ class SyncGroup:
                     elif receive:
                         self._receive_through_ring(buf, issue)
                     else:
-                        raise ValueError(f"a {self.device} group sends from {self.device} memory, not from {buf.device}")
+                        raise ValueError(f"a {self.device} group sends from {self.device} memory, not from {_device_of(buf)}")
         except BaseException as exc:  # delivered to the loop
             if self._stream is not None:
                 try:
@@ -258,7 +268,7 @@ class SyncGroup:
             return
         done(None)
 
-    def _receive_through_ring(self, buf: torch.Tensor, issue: Callable[[torch.Tensor, int], Any]) -> None:
+    def _receive_through_ring(self, buf: Buffer, issue: Callable[[torch.Tensor, int], Any]) -> None:
         """Receive host *buf* chunk by chunk through two device chunks: chunk i+1 lands
         while chunk i is copied out (a copy to pageable memory returns once it is done, so
         a device chunk is free again when it is issued the next time)."""

@@ -75,6 +75,11 @@ class _Buf:
         self.serial = -1  # which write this is (a buffer is reused)
         self.owners = 0  # workers whose newest version this is
         self.transfers = 0  # network transfers still reading it
+        # A partial update: the write it completed (serial, version) and the byte ranges it
+        # changed; a host that landed that write gets only these ranges.
+        self.base_serial = -1
+        self.base_version = -1
+        self.ranges: tuple[tuple[int, int], ...] = ()
 
 
 class _RemoteWorker:
@@ -115,6 +120,7 @@ class _Host:
         # buffers on one host: a partial update completed from different bases per worker.
         self.pending: dict[tuple[int, int], tuple[_Buf, set[int]]] = {}
         self.delivered = -1
+        self.landed: set[int] = set()  # serials of the writes this connection received (a partial's base)
         self.tasks: list[asyncio.Task[None]] = []
 
 
@@ -265,6 +271,12 @@ class DistSender:
                     buf.version = version
                     self._serial += 1
                     buf.serial = self._serial
+                    if base is None:
+                        buf.base_serial = buf.base_version = -1
+                        buf.ranges = ()
+                    else:
+                        buf.base_serial, buf.base_version = base.serial, base.version
+                        buf.ranges = _changed_ranges(self._layout, flat, self.chunk_bytes)
             except BaseException:
                 for buf, _ in written:
                     buf.transfers -= 1
@@ -617,11 +629,15 @@ class DistSender:
         p2p = set(hosts) != set(self._members)
         self._tag = (self._tag + 1) % (1 << 20)
         tag = self._tag * 2048
+        # A partial update moves only its changed bytes to hosts that hold its base.
+        delta = bool(buf.ranges) and all(buf.base_serial in self._hosts[h].landed for h in hosts)
+        base, ranges = (buf.base_version, buf.ranges) if delta else (-1, ())
+        data: torch.Tensor | list[torch.Tensor] = [buf.tensor[o : o + n] for o, n in ranges] if delta else buf.tensor
         for h in hosts:
             stream = self._hosts[h].stream
             assert stream is not None
             try:
-                stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(self._hosts[h].pending[key][1]))))
+                stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(self._hosts[h].pending[key][1])), base, ranges))
             except BrokenChannelError:
                 pass
         buf.transfers += 1
@@ -635,7 +651,7 @@ class DistSender:
             copies = 1
         else:
             copies = max(1, (len(self._members) + 1 - 1).bit_length())
-        self._last_send_bytes = self._layout.nbytes * copies
+        self._last_send_bytes = (sum(n for _, n in ranges) if delta else self._layout.nbytes) * copies
         self._bytes_sent += self._last_send_bytes
 
         def release() -> None:
@@ -651,9 +667,9 @@ class DistSender:
                     if left[0] == 0:
                         release()
 
-                await asyncio.gather(*(group.send(buf.tensor, ranks[h], tag, release_one) for h in hosts))
+                await asyncio.gather(*(group.send(data, ranks[h], tag, release_one) for h in hosts))
             else:
-                await group.broadcast(buf.tensor, 0, release)
+                await group.broadcast(data, 0, release)
             return True
 
         connections = {h: self._hosts[h].connections for h in self._members}
@@ -680,10 +696,13 @@ class DistSender:
             if self._state == "running":
                 logger.warning("asyncsync: transfer of version %d to hosts %s abandoned: a host was lost during it; re-forming the group", version, hosts)
             return
+        alive = {b.serial for b in self._bufs}
         for h in hosts:
             host = self._hosts[h]
             host.delivered = max(host.delivered, version)
             host.pending.pop(key, None)
+            host.landed &= alive  # (a write whose buffer was reused cannot be a base any more)
+            host.landed.add(buf.serial)
         self._changed.notify()
 
     # ----------------------------------------------------------------- connections
@@ -717,6 +736,7 @@ class DistSender:
         h.reason = None
         h.connections += 1
         h.delivered = -1
+        h.landed.clear()
         h.pending.clear()
         for w in h.workers.values():
             w.reset()
@@ -836,6 +856,26 @@ async def _device_done(device: torch.device) -> None:
     event.record(torch.cuda.current_stream(device))
     while not event.query():  # type: ignore[no-untyped-call]
         await asyncio.sleep(0.0002)
+
+
+_MERGE_GAP = 256 << 10  # two changed ranges closer than this travel as one (fewer operations)
+_MAX_RANGE_CHUNKS = 1024  # chunks of one partial transfer (a point-to-point one has 2048 tags)
+
+
+def _changed_ranges(layout: Layout, flat: Mapping[str, torch.Tensor], chunk_bytes: int) -> tuple[tuple[int, int], ...]:
+    """The byte ranges of the wire buffer a partial update *flat* changes, merged; empty
+    (send everything) when they are too many operations or nearly the whole buffer."""
+    spans = sorted((s.offset, s.nbytes) for s in layout.specs if s.key in flat and s.nbytes > 0)
+    merged: list[list[int]] = []
+    for offset, n in spans:
+        if merged and offset - (merged[-1][0] + merged[-1][1]) <= _MERGE_GAP:
+            merged[-1][1] = max(merged[-1][1], offset + n - merged[-1][0])
+        else:
+            merged.append([offset, n])
+    chunks = sum(SyncGroup.max_tag_chunks(n, chunk_bytes) for _, n in merged)
+    if not merged or chunks > _MAX_RANGE_CHUNKS or sum(n for _, n in merged) >= 0.9 * layout.nbytes:
+        return ()  # (nearly everything changed: the whole buffer, which spares the relay its base copy)
+    return tuple((o, n) for o, n in merged)
 
 
 def _copy_snapshot(dst: list[torch.Tensor], src: list[torch.Tensor], device: torch.device | None) -> None:

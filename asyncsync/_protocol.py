@@ -178,13 +178,17 @@ class Group(NamedTuple):
 class Transfer(NamedTuple):
     """Trainer -> relay: the bytes of ``version`` follow on the group of ``generation``,
     by broadcast (``p2p`` False) or a point-to-point send tagged ``tag``; publish them to
-    the local workers ``targets``."""
+    the local workers ``targets``. With ``base >= 0`` (a partial update), only the byte
+    ``ranges`` ``(offset, length)`` of the wire buffer follow: the rest is the targets'
+    newest version, ``base``, which the relay already holds."""
 
     version: int
     generation: int
     p2p: bool
     tag: int
     targets: tuple[int, ...]
+    base: int = -1
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 class Lost(NamedTuple):
@@ -236,6 +240,7 @@ _NAMES = {
 }
 NONCE_BYTES = 32  # Challenge / Auth nonces and HMAC-SHA256 digests
 MAX_TARGETS = 1 << 16  # local workers named in one Transfer
+MAX_RANGES = 1 << 16  # byte ranges in one partial Transfer
 
 # Whole frames of the fixed-size messages, and fixed parts of the others (header included).
 _HELLO_S = struct.Struct(f"!{_HEAD}II")  # worker_idx u32, pid u32
@@ -255,7 +260,7 @@ _AUTH_S = struct.Struct(f"!{_HEAD}III32s32s")  # host, num_workers, pid, nonce, 
 _WELCOME_S = struct.Struct(f"!{_HEAD}32s")
 _BEAT_S = struct.Struct(f"!{_HEAD}")
 _GROUP_S = struct.Struct(f"!{_HEAD}IIIQ")  # generation, rank, size, chunk_bytes
-_TRANSFER_S = struct.Struct(f"!{_HEAD}qIBII")  # version, generation, p2p u8, tag, target count; then count x u32
+_TRANSFER_S = struct.Struct(f"!{_HEAD}qIBII")  # version, generation, p2p u8, tag, target count; then count x u32, base q, range count u32, ranges x (u64, u64)
 _LOST_S = struct.Struct(f"!{_HEAD}IBiI")  # worker_idx, has exit code u8, exit code i32, reason length; then the reason
 _SPEC_TAIL = [struct.Struct(f"!{n + 2}Q") for n in range(MAX_NDIM + 1)]  # shape..., offset, numel
 _MIN_SPEC = _U32.size + _SPEC_S.size + 16  # empty key, scalar
@@ -435,7 +440,12 @@ def _encode_group(m: Group) -> bytes:
 def _encode_transfer(m: Transfer) -> bytes:
     if len(m.targets) > MAX_TARGETS:
         raise ValueError(f"Transfer: at most {MAX_TARGETS} targets, got {len(m.targets)}")
-    tail = struct.pack(f"!{len(m.targets)}I", *m.targets)
+    if len(m.ranges) > MAX_RANGES:
+        raise ValueError(f"Transfer: at most {MAX_RANGES} ranges, got {len(m.ranges)}")
+    if m.base < -1 or (m.base >= 0) != bool(m.ranges):
+        raise ValueError("Transfer: a base version goes with byte ranges, and ranges with a base")
+    flat = [x for r in m.ranges for x in r]
+    tail = struct.pack(f"!{len(m.targets)}IqI{len(flat)}Q", *m.targets, m.base, len(m.ranges), *flat)
     head = _TRANSFER_S.pack(
         MAGIC, PROTOCOL_VERSION, _TRANSFER, _TRANSFER_S.size - _H + len(tail), m.version, m.generation, bool(m.p2p), m.tag, len(m.targets)
     )
@@ -782,14 +792,28 @@ def _decode_transfer(data: bytes) -> Transfer:
         raise _error("Transfer", "p2p", f"flag {p2p} is neither 0 nor 1")
     if count > MAX_TARGETS:
         raise _error("Transfer", "targets", f"{count} targets, more than {MAX_TARGETS}")
-    end = _TRANSFER_S.size + 4 * count
-    if end != len(data):
-        what = "truncated" if end > len(data) else "trailing bytes"
-        raise _error("Transfer", "targets", f"{what}: {count} targets need {end - _H} payload bytes, the frame holds {len(data) - _H}")
+    end = _TRANSFER_S.size + 4 * count + 12
+    if end > len(data):
+        raise _error("Transfer", "targets", f"truncated: {count} targets need {end - _H} payload bytes, the frame holds {len(data) - _H}")
     targets = struct.unpack_from(f"!{count}I", data, _TRANSFER_S.size)
     if len(set(targets)) != count:
         raise _error("Transfer", "targets", "a worker is named twice")
-    return Transfer(version, generation, p2p == 1, tag, targets)
+    base, nranges = struct.unpack_from("!qI", data, end - 12)
+    if nranges > MAX_RANGES:
+        raise _error("Transfer", "ranges", f"{nranges} ranges, more than {MAX_RANGES}")
+    if base < -1 or (base >= 0) != (nranges > 0):
+        raise _error("Transfer", "base", f"base {base} with {nranges} ranges (a base version goes with ranges, and ranges with a base)")
+    if end + 16 * nranges != len(data):
+        what = "truncated" if end + 16 * nranges > len(data) else "trailing bytes"
+        raise _error("Transfer", "ranges", f"{what}: {nranges} ranges need {end + 16 * nranges - _H} payload bytes, the frame holds {len(data) - _H}")
+    flat = struct.unpack_from(f"!{2 * nranges}Q", data, end)
+    ranges = tuple(zip(flat[0::2], flat[1::2]))
+    last = 0
+    for offset, length in ranges:
+        if length == 0 or offset < last or offset + length > _MAX_I64:
+            raise _error("Transfer", "ranges", f"range ({offset}, {length}) is empty, out of order or overlapping")
+        last = offset + length
+    return Transfer(version, generation, p2p == 1, tag, targets, base, ranges)
 
 
 def _decode_lost(data: bytes) -> Lost:

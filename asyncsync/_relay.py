@@ -34,6 +34,7 @@ from ._errors import (
     ProtocolError,
     SenderDiedError,
     SyncTimeoutError,
+    WeightsError,
     WorkerDiedError,
     WorkerLeftError,
 )
@@ -225,10 +226,12 @@ class Relay:
             logger.warning("asyncsync: host %d: transfer of version %d on generation %d, which this host is not part of", self.host, op.version, op.generation)
             return
 
-        async def fill(buf: torch.Tensor) -> None:
-            """Receive into *buf*; give up (leaving the receive to the backend) as soon as the
-            trainer announces a new group: a peer died mid-transfer, and this receive may
-            never complete (gloo cannot abort it; it ends at the group's timeout)."""
+        async def fill(whole: torch.Tensor) -> None:
+            """Receive into *whole* (or, for a partial update, into its changed byte ranges);
+            give up (leaving the receive to the backend) as soon as the trainer announces a
+            new group: a peer died mid-transfer, and this receive may never complete (gloo
+            cannot abort it; it ends at the group's timeout)."""
+            buf: torch.Tensor | list[torch.Tensor] = [whole[o : o + n] for o, n in op.ranges] if op.ranges else whole
             loop = asyncio.get_running_loop()
             released: asyncio.Future[None] = loop.create_future()
 
@@ -258,24 +261,39 @@ class Relay:
                 raise StillWriting(f"transfer of version {op.version} failed: {task.exception()}", released)
             task.result()
 
+        nbytes = self.local.layout.nbytes
+        if any(o + n > nbytes for o, n in op.ranges):
+            logger.error("asyncsync: host %d: transfer of version %d names bytes beyond the %d of the layout; ignored", self.host, op.version, nbytes)
+            return
         try:
             # Targets that do not have this version yet (a version may come in several
             # transfers for different workers, and a transfer repeated after a regroup).
             fresh = [i for i in op.targets if self.local.sent_version(i) < op.version]
             if fresh and op.version >= self.local.version:
-                await self.local.publish_filled(fill, op.version, fresh)
+                base = op.base if op.base >= 0 else None
+                try:
+                    await self.local.publish_filled(fill, op.version, fresh, base_version=base)
+                except WeightsError as exc:  # a partial update this host cannot complete (not expected)
+                    logger.error("asyncsync: host %d: %s; the targets reject version %d", self.host, exc, op.version)
+                    await fill(self._scratch_buffer())  # every member of a broadcast takes part
+                    for i in fresh:
+                        self._forward_ack(i, Ack(i, op.version, False, f"host {self.host}: {exc}", None, 0.0, 0.0))
+                    return
                 self._published = op.version
                 self._changed.notify()
             else:  # already landed before a regroup: consume the bytes, publish nothing
-                if self._scratch is None:
-                    self._scratch = torch.empty(self.local.layout.nbytes, dtype=torch.uint8)
-                await fill(self._scratch)
+                await fill(self._scratch_buffer())
         except (BrokenChannelError, StillWriting) as exc:
             logger.warning("asyncsync: host %d: transfer of version %d failed (%s); waiting for the group to re-form", self.host, op.version, exc)
         except ClosedError:
             pass
         except Exception:  # e.g. CapacityError under a max_slots cap: this transfer is lost, the relay goes on
             logger.exception("asyncsync: host %d: landing version %d failed; the trainer will time out waiting for its acks", self.host, op.version)
+
+    def _scratch_buffer(self) -> torch.Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty(self.local.layout.nbytes, dtype=torch.uint8)
+        return self._scratch
 
     async def _finish(self) -> None:
         """The trainer said Stop (stop the workers) or died (leave them with SenderDiedError)."""

@@ -296,7 +296,12 @@ class Sender:
                 self._start_tasks(w, w.link, loop)
 
     async def publish_filled(
-        self, fill: Callable[[torch.Tensor], Awaitable[None]], version: int, worker_ids: int | Iterable[int] | None = None
+        self,
+        fill: Callable[[torch.Tensor], Awaitable[None]],
+        version: int,
+        worker_ids: int | Iterable[int] | None = None,
+        *,
+        base_version: int | None = None,
     ) -> None:
         """Publish *version* whose bytes ``await fill(buffer)`` writes straight into a slot.
 
@@ -304,8 +309,10 @@ class Sender:
         weights received from the network land in shared memory without another copy.
         *version* must be at least the newest version sent, and newer than what each
         target was sent (one version may be published in several slots, to different
-        workers, as a partial update does). If *fill* raises, the slot is released and
-        nothing is published.
+        workers, as a partial update does). With *base_version* (a partial update), the
+        slot first gets a copy of the targets' newest version, which must be
+        *base_version* in one slot for all of them, and *fill* writes only what changed.
+        If *fill* raises, the slot is released and nothing is published.
         """
         self._check_running()
         targets = self._targets(worker_ids)
@@ -314,10 +321,15 @@ class Sender:
         async with self._send_lock:
             self._check_running()
             self._check_newer(version, targets)  # ...and for sure, under the lock
+            base = None if base_version is None else self._base_slot(targets, base_version)
             slot = await self._acquire_slot(None)
             try:
+                if base is not None:
+                    await self._write(slot, {}, base)
                 await fill(self._pool.views_buffer(slot))
             except BaseException as exc:
+                if slot.copying:
+                    raise  # the copy thread still writes it: it is released when that is done
                 writer = exc.done if isinstance(exc, StillWriting) else getattr(exc, "still_writing", None)
                 if writer is None:
                     self._unreserve([slot])
@@ -331,8 +343,20 @@ class Sender:
             if version > self._version:
                 self._sends += 1
             self._version = version
-            self._bytes += self._layout.nbytes
+            if base is None:  # (else _write counted the copy of the base)
+                self._bytes += self._layout.nbytes
             self._publish([(slot, targets)], version)
+
+    def _base_slot(self, targets: list[int], base_version: int) -> int:
+        """The one slot holding every target's newest version, *base_version*."""
+        refs = {i: self._ledger.latest.get(i) for i in targets}
+        slots = {r.slot for r in refs.values() if r is not None and r.version == base_version}
+        if len(slots) != 1 or any(r is None or r.version != base_version for r in refs.values()):
+            have = {i: (r.version if r is not None else None) for i, r in refs.items()}
+            raise WeightsError(f"cannot complete a partial update from version {base_version}: the targets' newest versions are {have}")
+        slot = slots.pop()
+        assert slot is not None
+        return slot
 
     def _check_newer(self, version: int, targets: list[int]) -> None:
         if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):

@@ -204,7 +204,8 @@ class DistributedStatistics:
         version: newest version sent (-1 before ``connect``). sends: sends published.
         bytes_sent: bytes the trainer put on the network so far (counted when a transfer
             is issued); last_send_bytes: bytes of the last transfer issued: ``buffer_bytes``
-            times the copies the trainer sends (point-to-point: one per host; a gloo
+            (or, for a partial update to hosts holding its base, its changed bytes) times
+            the copies the trainer sends (point-to-point: one per host; a gloo
             broadcast, a binomial tree: ``ceil(log2(hosts + 1))``; an NCCL broadcast, a
             pipelined ring: one).
         buffers / buffer_bytes: wire buffers (snapshots) allocated, and the size of one.

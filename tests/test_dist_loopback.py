@@ -67,6 +67,10 @@ async def test_in_process_round_trip_versions_and_partial() -> None:
         v = await trainer.send(weights={"0.bias": torch.zeros(16)}, partial=True)
         assert worker.version == v
         assert bool((local[0].bias == 0).all()) and bool((local[0].weight == 2.0).all())
+        assert trainer.statistics().last_send_bytes == 16 * 4  # only the changed bytes travelled
+        v = await trainer.send(weights={"2.bias": torch.full((3,), 3.0)}, partial=True)  # a partial on a partial
+        assert worker.version == v and trainer.statistics().last_send_bytes == 3 * 4
+        assert bool((local[0].bias == 0).all()) and bool((local[2].bias == 3.0).all()) and bool((local[2].weight == 2.0).all())
         stats = trainer.statistics()
         assert stats.worker((1, 0)).applied_version == v and stats.host(1).connections == 1
 
@@ -238,6 +242,21 @@ async def test_a_device_transfer_that_times_out_releases_its_buffer_only_once_th
     group.close()
     with pytest.raises(BrokenChannelError, match="closed"):
         await group._on_device(torch.zeros(8, dtype=torch.uint8), lambda landing, i: Stuck(landing), receive=True, release=None)
+
+
+def test_a_partial_update_travels_as_merged_byte_ranges_or_whole() -> None:
+    from asyncsync._dist_sender import _changed_ranges
+    from asyncsync._layout import Layout
+
+    flat = {"a": torch.zeros(4), "b": torch.zeros(4), "big": torch.zeros(1 << 20), "c": torch.zeros(4)}
+    layout = Layout.from_tensors(flat)
+    spec = {s.key: s for s in layout.specs}
+    # neighbours merge into one range; a range beyond the merge gap stays apart
+    got = _changed_ranges(layout, {"a": flat["a"], "b": flat["b"], "c": flat["c"]}, 64 << 20)
+    assert len(got) == 2 and got[0][0] == min(spec["a"].offset, spec["b"].offset)
+    assert {got[0][1], got[1][1]} >= {16} and sum(n for _, n in got) < layout.nbytes
+    assert _changed_ranges(layout, flat, 64 << 20) == ()  # everything changed: the whole buffer
+    assert _changed_ranges(layout, {"big": flat["big"]}, 1024) == ()  # too many operations: whole
 
 
 def test_backend_and_device_are_checked_before_anything_starts() -> None:

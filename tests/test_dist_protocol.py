@@ -40,6 +40,7 @@ MESSAGES: list[Message] = [
     Group((1 << 32) - 1, 2, 3, 1),
     Transfer(0, 1, False, 0, ()),
     Transfer(-1, 7, True, 4096, (0, 1, 5)),
+    Transfer(9, 2, False, 0, (1,), 8, ((0, 64), (128, 4))),
     Lost(0, None, "left: its receiver closed"),
     Lost(3, -9, "died ✝"),
 ]
@@ -50,7 +51,20 @@ messages = st.one_of(
     st.builds(Welcome, NONCE),
     st.just(Beat()),
     st.integers(1, 1 << 16).flatmap(lambda size: st.builds(Group, U32, st.integers(0, size - 1), st.just(size), st.integers(1, 1 << 40))),
-    st.builds(Transfer, I64, U32, st.booleans(), U32, st.lists(U32, max_size=8, unique=True).map(tuple)),
+    st.builds(Transfer, I64, U32, st.booleans(), U32, st.lists(U32, max_size=8, unique=True).map(tuple), st.just(-1), st.just(())),
+    st.builds(
+        Transfer,
+        I64,
+        U32,
+        st.booleans(),
+        U32,
+        st.lists(U32, max_size=8, unique=True).map(tuple),
+        st.integers(0, (1 << 63) - 1),
+        st.lists(st.integers(1, 1 << 20), min_size=2, max_size=16)
+        .map(lambda xs: tuple(sorted(set(xs))))
+        .filter(lambda xs: len(xs) >= 2)
+        .map(lambda xs: tuple((a, b - a) for a, b in zip(xs[0::2], xs[1::2]))),
+    ),
     st.builds(Lost, U32, st.none() | st.integers(-(1 << 31), (1 << 31) - 1), st.text(max_size=40)),
 )
 
@@ -67,6 +81,8 @@ def test_encoder_refuses_what_cannot_travel() -> None:
         encode(Group(1, 3, 3, 1))
     with pytest.raises(ValueError, match="targets"):
         encode(Transfer(0, 0, False, 0, tuple(range(MAX_TARGETS + 1))))
+    with pytest.raises(ValueError, match="base version goes with byte ranges"):
+        encode(Transfer(0, 0, False, 0, (), 3, ()))
 
 
 @pytest.mark.parametrize(
@@ -74,8 +90,10 @@ def test_encoder_refuses_what_cannot_travel() -> None:
     [
         (encode(Group(1, 0, 2, 1))[:-8] + struct.pack("!IIIQ", 1, 2, 2, 1)[8:], "Group: field 'length'"),
         (encode(Group(1, 1, 2, 1))[:12] + struct.pack("!I", 2) + encode(Group(1, 1, 2, 1))[16:], "Group: field 'rank'"),
-        (_fix_length(encode(Transfer(0, 0, False, 0, ()))[:-4] + struct.pack("!III", 2, 1, 1)), "Transfer: field 'targets'"),
+        (_fix_length(encode(Transfer(0, 0, False, 0, ()))[:-16] + struct.pack("!IIIqI", 2, 1, 1, -1, 0)), "Transfer: field 'targets'"),
         (encode(Transfer(0, 0, False, 0, (1,)))[:-4], "Transfer"),
+        (_fix_length(encode(Transfer(0, 0, False, 0, ()))[:-12] + struct.pack("!qI", 3, 0)), "Transfer: field 'base'"),
+        (_fix_length(encode(Transfer(0, 0, False, 0, ()))[:-12] + struct.pack("!qIQQQQ", 3, 2, 8, 4, 4, 4)), "Transfer: field 'ranges'"),
         (_fix_length(encode(Lost(0, 1, "x"))[:12] + b"\x02" + encode(Lost(0, 1, "x"))[13:]), "Lost: field 'exitcode'"),
     ],
 )
