@@ -120,7 +120,9 @@ class _Host:
         # buffers on one host: a partial update completed from different bases per worker.
         self.pending: dict[tuple[int, int], tuple[_Buf, set[int]]] = {}
         self.delivered = -1
-        self.landed: set[int] = set()  # serials of the writes this connection received (a partial's base)
+        # Writes this connection received, by serial, with the local workers they went to
+        # (a partial update travels as a delta only to workers that hold its base).
+        self.landed: dict[int, set[int]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
 
@@ -630,14 +632,15 @@ class DistSender:
         self._tag = (self._tag + 1) % (1 << 20)
         tag = self._tag * 2048
         # A partial update moves only its changed bytes to hosts that hold its base.
-        delta = bool(buf.ranges) and all(buf.base_serial in self._hosts[h].landed for h in hosts)
+        named = {h: set(self._hosts[h].pending[key][1]) for h in hosts}  # the targets this transfer names
+        delta = bool(buf.ranges) and all(named[h] <= self._hosts[h].landed.get(buf.base_serial, set()) for h in hosts)
         base, ranges = (buf.base_version, buf.ranges) if delta else (-1, ())
         data: torch.Tensor | list[torch.Tensor] = [buf.tensor[o : o + n] for o, n in ranges] if delta else buf.tensor
         for h in hosts:
             stream = self._hosts[h].stream
             assert stream is not None
             try:
-                stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(self._hosts[h].pending[key][1])), base, ranges))
+                stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(named[h])), base, ranges))
             except BrokenChannelError:
                 pass
         buf.transfers += 1
@@ -701,8 +704,9 @@ class DistSender:
             host = self._hosts[h]
             host.delivered = max(host.delivered, version)
             host.pending.pop(key, None)
-            host.landed &= alive  # (a write whose buffer was reused cannot be a base any more)
-            host.landed.add(buf.serial)
+            for serial in [s for s in host.landed if s not in alive]:  # a reused buffer is no base any more
+                del host.landed[serial]
+            host.landed.setdefault(buf.serial, set()).update(named[h])
         self._changed.notify()
 
     # ----------------------------------------------------------------- connections

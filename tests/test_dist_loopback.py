@@ -244,6 +244,51 @@ async def test_a_device_transfer_that_times_out_releases_its_buffer_only_once_th
         await group._on_device(torch.zeros(8, dtype=torch.uint8), lambda landing, i: Stuck(landing), receive=True, release=None)
 
 
+async def test_after_a_rejoin_a_partial_goes_whole_to_a_worker_that_lacks_its_base() -> None:
+    """Worker (1, 1)'s newest is a partial whose base (version 0) reaches only (1, 0) after
+    host 1 rejoins: (1, 1) must get it whole, not as a delta it cannot complete."""
+    common: dict[str, Any] = dict(timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=free_port(), heartbeat=0.5)
+    model = make_model()
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=model, hosts={1: 2})
+    relays: list[DistributedWeightSyncScheme] = []
+    workers: list[MultiProcessWeightSyncScheme] = []
+
+    async def join() -> list[torch.nn.Module]:
+        relay = DistributedWeightSyncScheme(rank=1, **common)
+        relay.init_on_relay(model=make_model(), num_workers=2)
+        relays.append(relay)
+        models = []
+        for i in range(2):
+            w = loopback_worker(relay.local, i)
+            m = make_model()
+            w.init_on_receiver(worker_idx=i, model=m)
+            workers.append(w)
+            models.append(m)
+        await asyncio.gather(relay.connect(), *(w.connect() for w in workers[-2:]))
+        return models
+
+    try:
+        await asyncio.gather(trainer.connect(), join())
+        v = await trainer.send(weights={"2.bias": torch.full((3,), 9.0)}, worker_ids=[(1, 1)], partial=True)
+        assert trainer.statistics().last_send_bytes == 3 * 4  # a delta: (1, 1) holds version 0
+        await relays[0].relay._crash()
+        await trainer.sender.wait_lost(1, timeout=10)
+        models = await join()
+        await trainer.wait_async(worker_ids=[(1, 0), (1, 1)])
+        assert workers[-1].version == v and workers[-2].version == 0
+        assert trainer.statistics().last_send_bytes == trainer.statistics().buffer_bytes  # whole
+        expected = {k: t.clone() for k, t in model.state_dict().items()}
+        expected["2.bias"] = torch.full((3,), 9.0)
+        assert all(torch.equal(t, expected[k]) for k, t in models[1].state_dict().items())
+    finally:
+        await trainer.aclose()
+        for r in relays:
+            await r.aclose()
+        for w in workers:
+            await w.aclose()
+
+
 def test_a_partial_update_travels_as_merged_byte_ranges_or_whole() -> None:
     from asyncsync._dist_sender import _changed_ranges
     from asyncsync._layout import Layout
