@@ -615,7 +615,19 @@ class DistSender:
             return
         self._group = group
         self._members = members
+        for h in members:
+            self._requeue(self._hosts[h])
         logger.info("asyncsync: weight-sync group generation %d: trainer + hosts %s", gen, members)
+
+    def _requeue(self, h: _Host) -> None:
+        """After the group re-formed, transfer again each worker's newest version it has not
+        acked: a relay gives up a receive when a new generation is announced, even one whose
+        bytes had all left the trainer (the relay skips what it already holds). What it
+        landed before no longer counts as a partial update's base."""
+        h.landed.clear()
+        for w in h.workers.values():
+            if w.latest is not None and w.applied < w.latest.version and w.state in ("waiting", "connected"):
+                h.pending.setdefault((w.latest.version, w.latest.serial), (w.latest, set()))[1].add(w.wid[1])
 
     def _group_timeout(self) -> float:
         return self.timeout if self.timeout is not None else 300.0

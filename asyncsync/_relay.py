@@ -269,7 +269,7 @@ class Relay:
             # Targets that do not have this version yet (a version may come in several
             # transfers for different workers, and a transfer repeated after a regroup).
             fresh = [i for i in op.targets if self.local.sent_version(i) < op.version]
-            if fresh and op.version >= self.local.version:
+            if fresh:
                 base = op.base if op.base >= 0 else None
                 try:
                     await self.local.publish_filled(fill, op.version, fresh, base_version=base)

@@ -307,9 +307,9 @@ class Sender:
 
         For a relay: *buffer* is the slot itself (a uint8 tensor of the wire layout), so
         weights received from the network land in shared memory without another copy.
-        *version* must be at least the newest version sent, and newer than what each
-        target was sent (one version may be published in several slots, to different
-        workers, as a partial update does). With *base_version* (a partial update), the
+        *version* must be newer than what each target was sent (one version may be
+        published in several slots, to different workers, as a partial update does; an
+        older one than the newest may go to a worker that lacks it). With *base_version* (a partial update), the
         slot first gets a copy of the targets' newest version, which must be
         *base_version* in one slot for all of them, and *fill* writes only what changed.
         If *fill* raises, the slot is released and nothing is published.
@@ -342,7 +342,7 @@ class Sender:
                 raise
             if version > self._version:
                 self._sends += 1
-            self._version = version
+                self._version = version
             if base is None:  # (else _write counted the copy of the base)
                 self._bytes += self._layout.nbytes
             self._publish([(slot, targets)], version)
@@ -359,8 +359,11 @@ class Sender:
         return slot
 
     def _check_newer(self, version: int, targets: list[int]) -> None:
-        if version < self._version or any(self._sent(self._workers[i]) >= version for i in targets):
-            raise ValueError(f"version {version} is older than the newest sent ({self._version}) or was already sent to one of {targets}")
+        # Per worker only: a relay may publish an older version to a worker that lacks it
+        # (a transfer repeated after the group re-formed) after a newer one went to others.
+        stale = {i: self._sent(self._workers[i]) for i in targets if self._sent(self._workers[i]) >= version}
+        if stale:
+            raise ValueError(f"version {version} is not newer than what workers {stale} were sent")
 
     def _publish(self, written: list[tuple[Slot, list[int]]], version: int) -> None:
         """Make each written slot its members' newest *version* and send it to those with nothing in flight."""
