@@ -201,16 +201,7 @@ class SyncGroup:
         loop = asyncio.get_running_loop()
         afut: asyncio.Future[None] = loop.create_future()
         afut.add_done_callback(_retrieve)
-        self._pending += 1
-
-        def finished() -> None:
-            self._pending -= 1
-            if release is not None:
-                release()
-            if self._pending == 0 and self._closed:
-                self._destroy(background=True)
-
-        done = _bridge(loop, afut, finished)
+        done = _bridge(loop, afut, self._finisher(1, release))
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-nccl")
         self._waiter.submit(self._device_run, buf, issue, receive, done)
@@ -230,6 +221,22 @@ class SyncGroup:
         if error is not None:
             raise BrokenChannelError(f"weight-sync group generation {self.generation}: {error}")
 
+    def _finisher(self, operations: int, release: Callable[[], None] | None) -> Callable[[], None]:
+        """Count *operations* as running in the backend; the callback (on the loop, once per
+        operation) calls *release* after the last one, and destroys a group closed meanwhile."""
+        self._pending += operations
+        left = [operations]
+
+        def one_done() -> None:
+            self._pending -= 1
+            left[0] -= 1
+            if left[0] == 0 and release is not None:
+                release()
+            if self._pending == 0 and self._closed:
+                self._destroy(background=True)  # closed while busy: now it can go
+
+        return one_done
+
     def _device_run(
         self, buf: Buffer, issue: Callable[[torch.Tensor, int], Any], receive: bool, done: Callable[[BaseException | None], None]
     ) -> None:
@@ -245,7 +252,7 @@ class SyncGroup:
                 if stream is not None:
                     stream.wait_stream(torch.cuda.default_stream(dev))  # what was written into buf before
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    if _same_device(_device_of(buf), dev):
+                    if _device_of(buf) == dev:
                         works = [issue(chunk, i) for i, chunk in enumerate(self._chunks(buf))]
                         for work in works:
                             work.wait()
@@ -301,22 +308,12 @@ class SyncGroup:
         """
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[None]] = []
-        left = [len(works)]
-
-        def one_done() -> None:
-            self._pending -= 1
-            left[0] -= 1
-            if left[0] == 0 and release is not None:
-                release()
-            if self._pending == 0 and self._closed:
-                self._destroy(background=True)  # closed while busy: now it can go
-
+        one_done = self._finisher(len(works), release)
         if not works and release is not None:
             release()
         for work in works:
             afut: asyncio.Future[None] = loop.create_future()
             futures.append(afut)
-            self._pending += 1
             done = _bridge(loop, afut, one_done)
             if use_future:
                 try:
@@ -417,16 +414,6 @@ def _abort(pg: Any, generation: int) -> None:
         pg.abort()
     except Exception as exc:  # e.g. a backend without abort: it ends at its timeout
         logger.debug("asyncsync: aborting weight-sync group generation %d: %r", generation, exc)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """``cuda`` and ``cuda:0`` are one device when 0 is the current one (torch says they differ)."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
 def _copy_out(work: Any, landing: torch.Tensor, chunk: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ from ._layout import Layout
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
 from ._sender import ModelRef
 from ._signal import Signal
-from ._staging import copy_tensors
+from ._staging import copy_tensors, stream_done
 from ._stats import DistributedStatistics, HostStatistics, WorkerStatistics
 from ._strategy import KnownSource, to_flat, validate
 
@@ -530,7 +530,7 @@ class DistSender:
         if self._layout.nbytes < _THREAD_COPY_BYTES:
             copy_tensors(dst, src)
             if self.device is not None and self.device.type == "cuda":
-                await _device_done(self.device)  # polled: the loop never synchronizes a stream
+                await stream_done(torch.cuda.current_stream(self.device))  # polled: the loop never synchronizes
         else:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
@@ -752,12 +752,10 @@ class DistSender:
         h.reason = None
         h.connections += 1
         h.delivered = -1
-        h.landed.clear()
         h.pending.clear()
         for w in h.workers.values():
             w.reset()
-            if w.latest is not None:  # its newest version goes first
-                h.pending.setdefault((w.latest.version, w.latest.serial), (w.latest, set()))[1].add(w.wid[1])
+        self._requeue(h)  # each worker's newest version goes first
         try:
             stream.send(Setup(self._layout, None, os.getpid()))
         except BrokenChannelError:
@@ -864,14 +862,6 @@ class DistSender:
         h.stream = None
         self._regroup = True  # without it (also while a generation is forming)
         self._changed.notify()
-
-
-async def _device_done(device: torch.device) -> None:
-    """Until the work queued so far on *device*'s current stream (the snapshot copy) ran."""
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(torch.cuda.current_stream(device))
-    while not event.query():  # type: ignore[no-untyped-call]
-        await asyncio.sleep(0.0002)
 
 
 _MERGE_GAP = 256 << 10  # two changed ranges closer than this travel as one (fewer operations)

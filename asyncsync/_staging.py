@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Stager", "copy_tensors"]
+__all__ = ["Stager", "copy_tensors", "stream_done"]
 
 T = TypeVar("T")
 
@@ -64,6 +64,15 @@ def copy_tensors(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], non_b
                 d.copy_(s, non_blocking=non_blocking)
     finally:
         torch._C._set_grad_enabled(grad)
+
+
+async def stream_done(stream: Any) -> None:
+    """Until the work queued so far on CUDA *stream* ran: an event polled from the loop,
+    which never synchronizes a stream."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(stream)
+    while not event.query():  # type: ignore[no-untyped-call]
+        await asyncio.sleep(_POLL_S)
 
 
 class Stager:
@@ -128,10 +137,7 @@ class Stager:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             copy_tensors(dst, src, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        while not event.query():  # type: ignore[no-untyped-call]
-            await asyncio.sleep(_POLL_S)
+        await stream_done(stream)
 
     def close(self) -> None:
         if self._executor is not None:
