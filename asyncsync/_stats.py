@@ -165,25 +165,13 @@ class HostStatistics:
 
     Example::
 
-        import socket
+        from asyncsync.testing import open_loopback_hosts
 
-        with socket.socket() as s:                      # a free port for the rendezvous store
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
-        trainer = DistributedWeightSyncScheme(rank=0, **common)
-        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
-        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
-        host.init_on_relay(model=make_policy(), num_workers=1)
-        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
-        worker.init_on_receiver(worker_idx=0, model=make_policy())
-        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
-        await host.aclose()                             # host 1 leaves
-        await trainer.sender.wait_lost(1, timeout=10)
-        h = trainer.statistics().host(1)
-        print(h.state, h.connections, h.reason)   # left 1 its relay left: the relay closed
-        await trainer.aclose()
-        await worker.aclose()
+        async with open_loopback_hosts(make_policy(), make_policy, hosts={1: 1}, timeout=10) as lh:
+            await lh.hosts[1].aclose()                  # host 1 leaves
+            await lh.trainer.sender.wait_lost(1, timeout=10)
+            h = lh.trainer.statistics().host(1)
+            print(h.state, h.connections, h.reason)   # left 1 its relay left: the relay closed
     """
 
     host: int
@@ -216,26 +204,13 @@ class DistributedStatistics:
 
     Example::
 
-        import socket
+        from asyncsync.testing import open_loopback_hosts
 
-        with socket.socket() as s:                      # a free port for the rendezvous store
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        common = dict(timeout=10, token="s3cret", world_size=2, master_addr="127.0.0.1", master_port=port)
-        trainer = DistributedWeightSyncScheme(rank=0, **common)
-        trainer.init_on_sender(model=make_policy(), hosts={1: 1})   # host 1 runs one worker
-        host = DistributedWeightSyncScheme(rank=1, **common)         # (another machine, normally)
-        host.init_on_relay(model=make_policy(), num_workers=1)
-        worker = loopback_worker(host.local, 0)   # (spawn_workers(fn, 1, args=(host,), scheme=host.local), normally)
-        worker.init_on_receiver(worker_idx=0, model=make_policy())
-        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
-        await trainer.send()
-        stats = trainer.statistics()
-        print(stats.version, stats.members, stats.last_send_bytes == stats.buffer_bytes)   # 1 (1,) True
-        print(stats.worker((1, 0)).applied_version)   # 1
-        await trainer.aclose()
-        await host.aclose()
-        await worker.aclose()
+        async with open_loopback_hosts(make_policy(), make_policy, hosts={1: 1}, timeout=10) as lh:
+            await lh.trainer.send()
+            stats = lh.trainer.statistics()
+            print(stats.version, stats.members, stats.last_send_bytes == stats.buffer_bytes)   # 1 (1,) True
+            print(stats.worker((1, 0)).applied_version)   # 1
     """
 
     version: int

@@ -39,6 +39,7 @@ import anyio
 import torch
 from torch import nn
 
+from ._distributed import DistributedWeightSyncScheme
 from ._errors import SyncTimeoutError, WorkerDiedError
 from ._faults import FaultHook, installed, run_with_faults
 from ._loopback import loopback_worker
@@ -50,10 +51,12 @@ from ._workers import WorkerGroup
 __all__ = [
     "Faults",
     "LeakError",
+    "LoopbackHosts",
     "LoopbackWorkers",
     "ProcessWorkers",
     "no_leaks",
     "open_loopback",
+    "open_loopback_hosts",
     "open_workers",
 ]
 
@@ -379,6 +382,94 @@ def open_loopback(
             assert torch.equal(lb.models[1][0].weight, policy[0].weight)
     """
     return LoopbackWorkers(scheme, models, on_update=on_update, device=device)
+
+
+class LoopbackHosts:
+    """A multi-host setup in this event loop: a trainer, one relay per host and each host's
+    loopback workers, on a real gloo group and control plane over 127.0.0.1. Use it as
+    ``async with``: on entry everything is connected and every worker runs version 0; on
+    exit everything is closed. Build one with :func:`open_loopback_hosts`.
+
+    Attributes:
+        trainer: the trainer's :class:`~asyncsync.DistributedWeightSyncScheme`.
+        hosts: ``{host: that host's scheme}`` (after ``init_on_relay``).
+        workers: ``{(host, local index): worker-side scheme}``.
+        models: ``{(host, local index): the worker's model}``.
+
+    Example::
+
+        from asyncsync.testing import open_loopback_hosts
+
+        async with open_loopback_hosts(make_policy(), make_policy, hosts={1: 2}) as lh:   # a LoopbackHosts
+            await lh.trainer.send(worker_ids=[(1, 0)])
+            print({wid: w.version for wid, w in lh.workers.items()})   # {(1, 0): 1, (1, 1): 0}
+    """
+
+    def __init__(
+        self, model: nn.Module, make_model: Callable[[], nn.Module], hosts: Mapping[int, int], options: Mapping[str, Any]
+    ) -> None:
+        with socket.socket() as s:  # a free port for the rendezvous store
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common: dict[str, Any] = {"timeout": 30, "token": secrets.token_hex(16), **options}
+        common.update(world_size=max(hosts) + 1, master_addr="127.0.0.1", master_port=port)
+        self.trainer = DistributedWeightSyncScheme(rank=0, **common)
+        self.trainer.init_on_sender(model=model, hosts=hosts)
+        self.hosts: dict[int, DistributedWeightSyncScheme] = {}
+        self.workers: dict[tuple[int, int], MultiProcessWeightSyncScheme] = {}
+        self.models: dict[tuple[int, int], nn.Module] = {}
+        for h, n in hosts.items():
+            host = DistributedWeightSyncScheme(rank=h, **common)
+            host.init_on_relay(model=make_model(), num_workers=n)
+            self.hosts[h] = host
+            for i in range(n):
+                worker = loopback_worker(host.local, i)
+                self.models[h, i] = make_model()
+                worker.init_on_receiver(worker_idx=i, model=self.models[h, i])
+                self.workers[h, i] = worker
+
+    async def __aenter__(self) -> LoopbackHosts:
+        try:
+            joining = [self.trainer.connect(), *(h.connect() for h in self.hosts.values())]
+            await asyncio.gather(*joining, *(w.connect() for w in self.workers.values()))
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the trainer (which stops the hosts), then every host and worker. Idempotent."""
+        with anyio.CancelScope(shield=True):
+            await self.trainer.aclose()
+            for host in self.hosts.values():
+                await host.aclose()
+            for worker in self.workers.values():
+                await worker.aclose()
+
+
+def open_loopback_hosts(
+    model: nn.Module, make_model: Callable[[], nn.Module], hosts: Mapping[int, int] | None = None, **options: Any
+) -> LoopbackHosts:
+    """A trainer sending *model*, and *hosts* ``{host: number of workers}`` (default one
+    host with one worker) in this event loop, to use as ``async with``. *make_model* builds
+    each relay's and worker's copy; *options* go to every
+    :class:`~asyncsync.DistributedWeightSyncScheme` (``timeout`` defaults to 30).
+
+    Example::
+
+        from asyncsync.testing import open_loopback_hosts
+
+        async with open_loopback_hosts(make_policy(), make_policy, timeout=10) as lh:
+            await lh.hosts[1].aclose()                  # host 1 leaves (or dies)
+            try:
+                await lh.trainer.send()
+            except HostLostError as exc:
+                print(exc.host, exc.worker_idx)         # 1 (1, 0)
+    """
+    return LoopbackHosts(model, make_model, dict(hosts or {1: 1}), options)
 
 
 # --------------------------------------------------------------------------- processes

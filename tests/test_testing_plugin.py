@@ -241,3 +241,20 @@ def test_a_failed_test_gets_no_leak_report_on_top_but_its_processes_are_killed(p
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*the test's own failure*"])
     assert "LeakError" not in result.stdout.str()
+
+
+async def test_open_loopback_hosts_connects_every_host_and_closes_everything() -> None:
+    from asyncsync import HostLostError
+    from asyncsync.testing import open_loopback_hosts
+
+    policy = make_model()
+    async with open_loopback_hosts(policy, make_model, hosts={1: 2, 2: 1}, timeout=10) as lh:
+        assert sorted(lh.workers) == [(1, 0), (1, 1), (2, 0)] and all(w.version == 0 for w in lh.workers.values())
+        fill_(policy, 4.0)
+        v = await lh.trainer.send(worker_ids=[(1, 1), (2, 0)])
+        assert {wid: w.version for wid, w in lh.workers.items()} == {(1, 0): 0, (1, 1): v, (2, 0): v}
+        assert all(bool((p == 4.0).all()) for p in lh.models[2, 0].parameters())
+        await lh.hosts[2].aclose()
+        with pytest.raises(HostLostError):
+            await lh.trainer.send()
+    assert lh.trainer.statistics().host(1).state == "stopped"
