@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from asyncsync import DistributedWeightSyncScheme, HostLostError, MultiProcessWeightSyncScheme, loopback_worker
+from asyncsync.testing import open_loopback_hosts
 from tests._dist_cluster import free_port
 from tests._targets import fill_, make_model
 
@@ -135,49 +136,36 @@ async def test_a_hung_host_does_not_hold_up_the_others_until_the_backend_times_o
     """Host 1 takes a transfer's announcement, never receives, and its control connection
     ends while its end of the group stays open: the trainer gives that broadcast up at once
     (gloo would wait the group's 60 s timeout) and host 2 gets the version, then more."""
-    common: dict[str, Any] = dict(timeout=60, token="t0ken", world_size=3, master_addr="127.0.0.1", master_port=free_port(), heartbeat=0.5, chunk_bytes=1 << 20)
     def big() -> torch.nn.Module:  # 32 MB: more than the sockets buffer, so a broadcast waits for host 1
         return torch.nn.Linear(1, 8_000_000, bias=False)
 
     model = big()
-    trainer = DistributedWeightSyncScheme(rank=0, **common)
-    trainer.init_on_sender(model=model, hosts={1: 1, 2: 1})
-    relays, workers, models = {}, {}, {}
-    for h in (1, 2):
-        relays[h] = DistributedWeightSyncScheme(rank=h, **common)
-        relays[h].init_on_relay(model=big(), num_workers=1)
-        workers[h] = loopback_worker(relays[h].local, 0)
-        models[h] = big()
-        workers[h].init_on_receiver(worker_idx=0, model=models[h])
-    hung_group = None
-    try:
-        await asyncio.gather(trainer.connect(), *(r.connect() for r in relays.values()), *(w.connect() for w in workers.values()))
-        entered = asyncio.Event()
+    async with open_loopback_hosts(model, big, hosts={1: 1, 2: 1}, timeout=60, heartbeat=0.5, chunk_bytes=1 << 20) as lh:
+        trainer, relays, workers, models = lh.trainer, lh.hosts, lh.workers, lh.models
+        hung_group = None
+        try:
+            entered = asyncio.Event()
 
-        async def hang(op: Any) -> None:
-            entered.set()
-            await asyncio.Event().wait()
+            async def hang(op: Any) -> None:
+                entered.set()
+                await asyncio.Event().wait()
 
-        relays[1].relay._land = hang  # type: ignore[method-assign]
-        fill_(model, 1.0)
-        v = await trainer.send_async()
-        await entered.wait()  # the trainer announced the transfer and issued the broadcast
-        hung_group = await relays[1].relay._crash(hang=True)
-        assert hung_group is not None
-        await trainer.wait_async(v, worker_ids=[(2, 0)], timeout=20)
-        assert bool((models[2].weight == 1.0).all())
-        fill_(model, 2.0)
-        v = await trainer.send(worker_ids=[(2, 0)], timeout=20)
-        assert workers[2].version == v and bool((models[2].weight == 2.0).all())
-        with pytest.raises(HostLostError):
-            await trainer.send(worker_ids=[(1, 0)])
-    finally:
-        if hung_group is not None:
-            hung_group.close()  # idle: its connections close, and the trainer's old broadcast ends
-        await trainer.aclose()
-        for h in (1, 2):
-            await relays[h].aclose()
-            await workers[h].aclose()
+            relays[1].relay._land = hang  # type: ignore[method-assign]
+            fill_(model, 1.0)
+            v = await trainer.send_async()
+            await entered.wait()  # the trainer announced the transfer and issued the broadcast
+            hung_group = await relays[1].relay._crash(hang=True)
+            assert hung_group is not None
+            await trainer.wait_async(v, worker_ids=[(2, 0)], timeout=20)
+            assert bool((models[2, 0].weight == 1.0).all())
+            fill_(model, 2.0)
+            v = await trainer.send(worker_ids=[(2, 0)], timeout=20)
+            assert workers[2, 0].version == v and bool((models[2, 0].weight == 2.0).all())
+            with pytest.raises(HostLostError):
+                await trainer.send(worker_ids=[(1, 0)])
+        finally:
+            if hung_group is not None:
+                hung_group.close()  # idle: its connections close, and the trainer's old broadcast ends
 
 
 async def test_a_rank_can_be_the_worker_itself_with_init_on_receiver() -> None:
