@@ -471,3 +471,55 @@ def test_docs_hold_no_project_history_or_machine_paths() -> None:
         if re.search(r"\bissue\s*#?\d+|\bthis session\b|/work/|/home/\w", line, re.IGNORECASE)
     ]
     assert not found, "docs speak to users (history goes to CHANGELOG.md): " + "; ".join(found)
+
+
+# ---------------------------------------------------------------- docs/testing.md as a new project
+
+_TESTING_FILE = re.compile(r"\A# (?P<path>tests/test_\w+\.py)\b")
+_TOML_FENCE = re.compile(r"^```toml[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def testing_project() -> dict[str, str]:
+    """``{relative path: text}``: docs/testing.md's ``pyproject.toml`` snippet and its test
+    files (the blocks that start with a ``# tests/test_x.py`` line), as a new project has them."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    files = {"pyproject.toml": "".join(m.group("code") for m in _TOML_FENCE.finditer(text))}
+    for where, code in BLOCKS:
+        if where.startswith("docs/testing.md:") and "def test_" in code:
+            m = _TESTING_FILE.match(code)
+            assert m, f"{where}: a test file of testing.md starts with a `# tests/test_x.py` line"
+            files[m.group("path")] = code
+    return files
+
+
+def test_testing_md_is_a_project() -> None:
+    files = testing_project()
+    assert 'asyncio_mode = "auto"' in files["pyproject.toml"]
+    assert {"tests/test_loop.py", "tests/test_worker.py", "tests/test_rollouts.py"} <= files.keys()
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 60)
+def test_testing_md_snippets_pass_in_a_new_project(tmp_path: Path) -> None:
+    """The reader's view: a project holding only testing.md's pyproject.toml and test files,
+    asyncsync installed; ``python -m pytest`` there passes every test."""
+    files = testing_project()
+    for rel, code in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    expected = sum(len(re.findall(r"^async def test_|^def test_", code, re.MULTILINE)) for code in files.values())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # no empty entry: the project's folder is no package
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=SCRIPT_TIMEOUT + 30)
+    except subprocess.TimeoutExpired:
+        Scripts._kill(proc)  # type: ignore[arg-type]
+        out, _ = proc.communicate()
+    report = out.decode(errors="replace")
+    assert proc.returncode == 0 and re.search(rf"\b{expected} passed\b", report), report
