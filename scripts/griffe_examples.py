@@ -127,8 +127,8 @@ class ExampleBlocks(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         for obj in public_objects(pkg):
             if isinstance(obj, griffe.Function):
-                shown = [(f"parameter {p.name!r}", p, "default", True) for p in obj.parameters]
-                shown += [(f"parameter {p.name!r}", p, "annotation", False) for p in obj.parameters]
+                shown = [(f"default of parameter {p.name!r}", p, "default", True) for p in obj.parameters]
+                shown += [(f"annotation of parameter {p.name!r}", p, "annotation", False) for p in obj.parameters]
                 shown.append(("return annotation", obj, "returns", False))
             else:
                 shown = [("value", obj, "value", True), ("annotation", obj, "annotation", False)]
@@ -141,5 +141,7 @@ class ExampleBlocks(griffe.Extension):
                 if private_names(text):
                     _logger.warning(
                         "%s: the %s shows private names %s: make them public, or document the value instead",
-                        obj.path, what, private_names(text),
+                        obj.path,
+                        what,
+                        private_names(text),
                     )
