@@ -5,10 +5,12 @@
   block; tests/test_docs.py runs every one) becomes a bold title and a fenced Python block.
 - Sphinx roles (``:class:`X```, ``:meth:`x```, ...) become inline code.
 - Signatures of the public API show no private names: a private constant used as a
-  default shows its value (``timeout=_DEFAULT`` reads ``timeout=...``), a private module or
-  class in front of a public name is dropped (``_options.DEFAULT`` reads ``DEFAULT``), and
-  so is a private type in a union annotation (``float | _Default`` reads ``float``).
-  Anything private left is a warning, which fails ``mkdocs build --strict``.
+  default shows its value (``timeout=_DEFAULT`` reads ``timeout=...``), a private import
+  its own name (``_MPQueue`` reads ``Queue``), a private module or class in front of a
+  public name is dropped (``_options.DEFAULT`` reads ``DEFAULT``), and so is a private
+  type in a union annotation (``float | _Default`` reads ``float``). Anything private left
+  is a warning, which fails ``mkdocs build --strict``. A class's bases show only classes
+  users import (not asyncsync's internal ones).
 """
 
 from __future__ import annotations
@@ -66,13 +68,13 @@ def private_names(text: str) -> list[str]:
     return _PRIVATE_NAME.findall(re.sub(r"(['\"]).*?\1", "", text))  # not inside string literals
 
 
-def public_objects(pkg: griffe.Module) -> Iterator[griffe.Function | griffe.Attribute]:
-    """Every function, method and attribute the reference renders: the ``__all__`` names of
+def public_objects(pkg: griffe.Module) -> Iterator[griffe.Class | griffe.Function | griffe.Attribute]:
+    """Every class, function, method and attribute the reference renders: the ``__all__`` names of
     *pkg* and of its public submodules, their public members with a docstring and
     ``__init__`` (merged into its class's signature), recursively."""
     seen: set[str] = set()
 
-    def walk(obj: griffe.Object | griffe.Alias) -> Iterator[griffe.Function | griffe.Attribute]:
+    def walk(obj: griffe.Object | griffe.Alias) -> Iterator[griffe.Class | griffe.Function | griffe.Attribute]:
         if obj.is_alias:
             try:
                 obj = obj.final_target  # type: ignore[union-attr]
@@ -84,6 +86,7 @@ def public_objects(pkg: griffe.Module) -> Iterator[griffe.Function | griffe.Attr
         if (obj.is_function or obj.is_attribute) and (obj.docstring or obj.name == "__init__"):
             yield obj  # type: ignore[misc]  # rendered: show_if_no_docstring is off
         elif obj.is_class:
+            yield obj  # type: ignore[misc]
             for name, member in obj.members.items():
                 if not name.startswith("_") or name == "__init__":
                     yield from walk(member)
@@ -116,6 +119,32 @@ def readable(obj: griffe.Object, text: str, *, value: bool) -> str:
     return text if value else _PRIVATE_UNION_MEMBER.sub("", text)
 
 
+def exported(pkg: griffe.Module) -> set[str]:
+    """Where the names users import are defined: ``__all__`` of *pkg* and of its public
+    submodules, aliases followed."""
+    paths: set[str] = set()
+    for module in [pkg, *(m for n, m in pkg.modules.items() if not n.startswith("_"))]:
+        for name in module.exports or ():
+            member = module.members.get(str(name))
+            if member is None:
+                continue
+            try:
+                paths.add(member.final_target.path if member.is_alias else member.path)  # type: ignore[union-attr]
+            except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+                pass
+    return paths
+
+
+def shown_base(base: Any, public: set[str]) -> bool:
+    """Whether the reference shows *base*, a class's base: not when it is asyncsync's own
+    implementation (a class no user imports: a private helper, a core shared by two classes)."""
+    head = base.left if isinstance(base, griffe.ExprSubscript) else base
+    path = head.canonical_path if isinstance(head, griffe.Expr) and hasattr(head, "canonical_path") else str(head)
+    if path.startswith("asyncsync."):
+        return path in public
+    return not private_names(str(head))
+
+
 class ExampleBlocks(griffe.Extension):
     """Rewrite every loaded object's docstring with :func:`rewrite`, and the public API's
     signatures without private names."""
@@ -125,7 +154,11 @@ class ExampleBlocks(griffe.Extension):
             obj.docstring.value = rewrite(obj.docstring.value)
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        public = exported(pkg)
         for obj in public_objects(pkg):
+            if isinstance(obj, griffe.Class):
+                obj.bases = [b for b in obj.bases if shown_base(b, public)]
+                continue
             if isinstance(obj, griffe.Function):
                 shown = [(f"default of parameter {p.name!r}", p, "default", True) for p in obj.parameters]
                 shown += [(f"annotation of parameter {p.name!r}", p, "annotation", False) for p in obj.parameters]
