@@ -479,7 +479,7 @@ _TESTING_FILE = re.compile(r"\A# (?P<path>tests/test_\w+\.py)\b")
 _TOML_FENCE = re.compile(r"^```toml[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
-def testing_project() -> dict[str, str]:
+def reader_project() -> dict[str, str]:
     """``{relative path: text}``: docs/testing.md's ``pyproject.toml`` snippet and its test
     files (the blocks that start with a ``# tests/test_x.py`` line), as a new project has them."""
     text = (ROOT / "docs" / "testing.md").read_text()
@@ -493,7 +493,7 @@ def testing_project() -> dict[str, str]:
 
 
 def test_testing_md_is_a_project() -> None:
-    files = testing_project()
+    files = reader_project()
     assert 'asyncio_mode = "auto"' in files["pyproject.toml"]
     assert {"tests/test_loop.py", "tests/test_worker.py", "tests/test_rollouts.py"} <= files.keys()
 
@@ -502,7 +502,7 @@ def test_testing_md_is_a_project() -> None:
 def test_testing_md_snippets_pass_in_a_new_project(tmp_path: Path) -> None:
     """The reader's view: a project holding only testing.md's pyproject.toml and test files,
     asyncsync installed; ``python -m pytest`` there passes every test."""
-    files = testing_project()
+    files = reader_project()
     for rel, code in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(code)
