@@ -119,6 +119,38 @@ def readable(obj: griffe.Object, text: str, *, value: bool) -> str:
     return text if value else _PRIVATE_UNION_MEMBER.sub("", text)
 
 
+_NAME = re.compile(r"(?<![\w.'\"])[A-Za-z]\w*(?![\w'\"])")
+_DROP = "\x00"
+
+
+def expand_aliases(module: griffe.Module, text: str, public: set[str], depth: int = 3) -> str:
+    """*text*, an annotation written in *module*, with asyncsync's own type aliases that users
+    cannot import spelled out (``Commit`` reads ``Literal['swap', 'copy']``), and such
+    classes left out of a union (``float | None | UseDefault`` reads ``float | None``)."""
+
+    def expand(m: re.Match[str]) -> str:
+        name = m.group(0)
+        target = module.members.get(name)
+        if target is None:
+            return name
+        try:
+            final = target.final_target if target.is_alias else target  # type: ignore[union-attr]
+        except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+            return name
+        if not final.path.startswith("asyncsync.") or final.path in public:
+            return name
+        if final.is_class:
+            return _DROP + name + _DROP
+        alias_value = getattr(final, "value", None) if final.is_attribute else None
+        if alias_value is None or depth == 0:
+            return name
+        return expand_aliases(final.module, str(alias_value), public, depth - 1)
+
+    text = _NAME.sub(expand, text)
+    text = re.sub(rf"\s*\|\s*{_DROP}\w+{_DROP}|{_DROP}\w+{_DROP}\s*\|\s*", "", text)
+    return text.replace(_DROP, "")
+
+
 def exported(pkg: griffe.Module) -> set[str]:
     """Where the names users import are defined: ``__all__`` of *pkg* and of its public
     submodules, aliases followed."""
@@ -167,7 +199,13 @@ class ExampleBlocks(griffe.Extension):
                 shown = [("value", obj, "value", True), ("annotation", obj, "annotation", False)]
             for what, holder, field, value in shown:
                 text = getattr(holder, field)
-                if text is None or not private_names(str(text)):
+                if text is None:
+                    continue
+                if not value:
+                    expanded = expand_aliases(obj.module, str(text), public)
+                    if expanded != str(text):
+                        setattr(holder, field, text := expanded)
+                if not private_names(str(text)):
                     continue
                 text = readable(obj, str(text), value=value)
                 setattr(holder, field, text)
