@@ -423,9 +423,14 @@ def test_error_tree_is_drawn_once_in_the_docs() -> None:
     assert drawn == ["reference.md"], f"the error tree belongs in docs/reference.md only, found in {drawn}"
 
 
-@pytest.mark.parametrize("where", ["docs/reference.md", "asyncsync._errors"])
+@pytest.mark.parametrize("where", ["docs/reference.md", "the errors module's docstring"])
 def test_drawn_error_tree_matches_the_classes(where: str) -> None:
-    text = (ROOT / where).read_text() if where.endswith(".md") else importlib.import_module(where).__doc__ or ""
+    if where.endswith(".md"):
+        text = (ROOT / where).read_text()
+    else:
+        text = sys.modules[asyncsync.AsyncSyncError.__module__].__doc__ or ""
+        if "AsyncSyncError\n" not in text:
+            pytest.skip("the errors module's docstring draws no tree (docs/reference.md's is checked)")
     entries = drawn_tree(text)
     assert sorted((name, parent) for name, parent, _ in entries) == sorted(error_classes()), (
         f"the error tree in {where} differs from the classes' hierarchy"
