@@ -37,6 +37,7 @@ from ._layout import Layout
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import ModelRef, OnWorkerError, Sender
 from ._slots import SlotPool
+from ._staging import device_problem
 from ._stats import ReceiverStatistics, SenderStatistics
 from ._strategy import STRATEGIES, Strategy, as_user_weights, resolve_model, to_flat
 
@@ -331,7 +332,8 @@ class MultiProcessWeightSyncScheme:
         ``update_policy_weights_`` it is called with every new version's weights, and
         so is ``on_update(weights, version)`` (sync or async). *device* overrides the
         device chosen on the sender (``devices`` / ``params_map`` / ``device_map_fn``);
-        by default the model's own device.
+        by default the model's own device. A device this process cannot use (CUDA where
+        there is none) raises :class:`ValueError` here.
         """
         if self._sender is not None and not self._sender.in_owner_process():
             raise RuntimeError(
@@ -346,6 +348,8 @@ class MultiProcessWeightSyncScheme:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if device is not None:
+            _check_device(torch.device(device), f"worker {worker_idx}")
         conn = self._endpoints.pop(worker_idx, None)
         if conn is None:
             raise ValueError(f"no channel for worker {worker_idx}; this scheme carries workers {sorted(self._endpoints)}")
@@ -525,12 +529,10 @@ def _lookup(context: Any, model_id: str | None) -> nn.Module:
 
 
 def _check_device(device: torch.device, who: str) -> torch.device:
-    """Fail before anything starts if a CUDA device cannot be used on this host."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{who}: device {device} requested, but CUDA is not available on this host")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"{who}: device {device} requested, but this host has {torch.cuda.device_count()} CUDA device(s)")
+    """Fail before anything starts if *device* cannot be used on this host."""
+    unusable = device_problem(device)
+    if unusable is not None:
+        raise ValueError(f"{who}: device {device} requested, but {unusable}")
     return device
 
 
