@@ -96,3 +96,19 @@ async def test_an_unknown_key_is_named_by_the_multi_host_trainer(partial: bool) 
             await lh.trainer.send(_wrong_key("tensordict"), partial=partial)
         assert all(k in str(info.value) for k in KEYS)
         assert lh.trainer.version == 0 and lh.workers[1, 0].version == 0
+
+
+async def test_a_scheme_unpickled_twice_is_refused_quietly(capfd: pytest.CaptureFixture[str]) -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    data = pickle.dumps(scheme)
+    first = pickle.loads(data)
+    for _ in range(2):  # the sharer thread answers in order: after the second refusal, the first is done
+        with pytest.raises(RuntimeError, match="can be unpickled once"):
+            pickle.loads(data)
+    first.init_on_receiver(worker_idx=0, model=make_model())  # the first copy works
+    await asyncio.gather(scheme.connect(), first.connect())
+    await scheme.aclose()
+    await first.aclose()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "KeyError" not in err, err
