@@ -112,3 +112,28 @@ async def test_a_scheme_unpickled_twice_is_refused_quietly(capfd: pytest.Capture
     await first.aclose()
     out, err = capfd.readouterr()
     assert "Traceback" not in err and "KeyError" not in err, err
+
+
+async def test_a_timeout_prints_its_duration_rounded_and_names_workers_that_never_said_hello() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=2)
+    with pytest.raises(SyncTimeoutError) as info:
+        await scheme.connect(timeout=0.05)  # no worker was started
+    message = str(info.value)
+    assert message.startswith("connect timed out after 0.05 s; no answer from worker 0 (at version -1), worker 1 (at version -1)")
+    assert "Workers 0, 1 never said hello" in message and "async with scheme" in message
+    assert info.value.never_connected == {0: None, 1: None}  # no process is watched for them
+    back = pickle.loads(pickle.dumps(info.value))
+    assert str(back) == message and back.pending == info.value.pending
+    await scheme.aclose()
+
+
+async def test_a_worker_that_said_hello_gets_no_hint() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    async with open_loopback(scheme, make_model) as lb:
+        async with lb.faults.delay_acks(0):
+            with pytest.raises(SyncTimeoutError) as info:
+                await scheme.send(timeout=0.2)
+        assert re.search(r"timed out after \d+\.\d+ s; no answer from worker 0 \(at version 0\)$", str(info.value)), str(info.value)
+        assert info.value.never_connected == {} and "hello" not in str(info.value)
