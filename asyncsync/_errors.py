@@ -440,9 +440,11 @@ def _never_connected_hint(never: Mapping[int, int | None]) -> str:
     out = ""
     if running:
         who = ", ".join(f"{w} (pid {pid})" for w, pid in running)
+        one = len(running) == 1
         out += (
-            f". {_workers(len(running))} {who} {'is' if len(running) == 1 else 'are'} running but never connected "
-            "a receiver: in the worker, call `await scheme.connect()` or use `async with scheme` after `init_on_receiver`"
+            f". {_workers(len(running))} {who} {'is' if one else 'are'} running, but {'its receiver' if one else 'their receivers'} "
+            "never connected: unless still starting up, the worker lacks `async with scheme` (or "
+            "`await scheme.connect()`) after `init_on_receiver`"
         )
     if unknown:
         who = ", ".join(map(str, unknown))

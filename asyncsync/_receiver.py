@@ -375,12 +375,14 @@ class Receiver:
         except Exception as exc:  # e.g. a CUDA device this process cannot use
             self._layout_error = f"cannot place the model on {device}: {exc}"
             return
-        if self.commit_kind == "copy":
-            problems = _copy_problems(targets)
         if problems:
+            self._layout_error = f"payload does not fit the model on {device}: " + "; ".join(problems[:16])
+            return
+        unwritable = _copy_problems(targets) if self.commit_kind == "copy" else []
+        if unwritable:  # refused before anything is written: a copy that fails half way tears the model
             self._layout_error = (
                 "commit='copy' writes the model's tensors in place, and these cannot hold the sent values: "
-                + "; ".join(problems[:8])
+                + "; ".join(unwritable[:8])
                 + ". Give each its own memory (e.g. `.clone()`), or use commit='swap'"
             )
             return
@@ -434,6 +436,7 @@ class Receiver:
         t0 = time.perf_counter()
         staging = roles.begin_staging(msg.version)
         done = False
+        failure = ""
         try:
             stager = self._get_stager()
             keys = list(views)
@@ -568,7 +571,7 @@ class Receiver:
                         targets[key].copy_(tensors[key])
                     except Exception as exc:
                         raise _WriteFailed(key, i > 0) from exc
-            raise
+            # (every copy went through the second time: the commit is whole)
 
     def _commit_failed(self, staged: Weights, exc: Exception) -> bool:
         """A commit raised (what ``_on_setup`` checks makes this unexpected): refuse the version.

@@ -34,7 +34,7 @@ async def test_a_worker_that_never_connects_its_receiver_is_named_with_the_fix()
         await scheme.aclose()
     message = str(info.value)
     assert message.startswith("connect timed out after 1.0 s; no answer from worker 0 (at version -1)"), message
-    assert "is running but never connected a receiver" in message, message
-    assert "`await scheme.connect()` or use `async with scheme`" in message, message
+    assert "is running, but its receiver never connected" in message, message
+    assert "the worker lacks `async with scheme` (or `await scheme.connect()`) after `init_on_receiver`" in message, message
     (pid_seen,) = info.value.never_connected.values()
     assert pid_seen == pid and f"worker 0 (pid {pid})" in message.lower()
