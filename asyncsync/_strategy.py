@@ -86,9 +86,10 @@ def to_flat(weights: Any, layout: Layout | None = None) -> dict[str, torch.Tenso
       canonical key is absent;
     * a key not in *layout* whose tensor is storage-identical to another key's (the
       second name of a tied tensor in a ``state_dict``);
-    * a TensorDict leaf not in *layout* that is not an ``nn.Parameter``: a
-      non-persistent buffer, which ``TensorDict.from_module`` lists and a
-      ``state_dict`` does not.
+    * a TensorDict leaf not in *layout* that is not an ``nn.Parameter``, when the
+      TensorDict gives every key of *layout*: a non-persistent buffer, which
+      ``TensorDict.from_module`` lists and a ``state_dict`` does not. (In a TensorDict
+      that gives fewer keys, an unknown key is kept, for :func:`validate` to name.)
 
     A module provides any key of *layout* it has under any name, non-persistent
     buffers included. The usual case (the weights list exactly the layout's keys)
