@@ -93,3 +93,23 @@ async def test_a_manual_commit_writes_an_inference_model_from_outside_inference_
             assert model(torch.ones(1, 4)).shape == (1, 2)
         with torch.inference_mode():
             assert model(torch.ones(1, 4)).shape == (1, 2)
+
+
+async def test_a_copy_commit_writes_non_contiguous_tensors_in_place() -> None:
+    def transposed() -> nn.Module:
+        m = _two_layers()
+        m[0].weight = nn.Parameter(m[0].weight.detach().t().contiguous().t())  # same shape, strides (1, 3)
+        return m
+
+    trainer = _two_layers()
+    scheme = MultiProcessWeightSyncScheme(timeout=10, commit="copy")
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, transposed) as lb:
+        weight = lb.models[0][0].weight
+        assert not weight.is_contiguous()
+        ptr = weight.data_ptr()
+        with torch.no_grad():
+            trainer[0].weight.copy_(torch.arange(12.0).view(3, 4))
+        await scheme.send()
+        assert lb.models[0][0].weight.data_ptr() == ptr and not lb.models[0][0].weight.is_contiguous()
+        assert torch.equal(lb.models[0][0].weight, trainer[0].weight)
