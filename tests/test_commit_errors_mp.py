@@ -18,6 +18,9 @@ from torch import nn
 from asyncsync import MultiProcessWeightSyncScheme, WorkerError, spawn_workers
 from tests._targets import fill_
 
+# Spawned workers import torch: on a loaded machine that alone can take most of a minute.
+pytestmark = pytest.mark.timeout(240)
+START_S = 120.0  # the scheme's bound on every wait, connect included
 
 def _model(kind: str) -> nn.Module:
     """A Linear and an 8-element buffer; ``expand``: the buffer has stride 0; ``inference``:
@@ -68,7 +71,7 @@ async def commit_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, k
 async def test_models_built_under_inference_mode_take_every_version(commit: str, transfer_dtype: torch.dtype | None) -> None:
     kinds = ["inference", "inference+expand" if commit == "swap" else "inference"]
     trainer = _model("")
-    scheme = MultiProcessWeightSyncScheme(timeout=30, commit=commit, transfer_dtype=transfer_dtype)  # type: ignore[arg-type]
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S, commit=commit, transfer_dtype=transfer_dtype)  # type: ignore[arg-type]
     scheme.init_on_sender(model=trainer, num_workers=len(kinds))
     async with spawn_workers(commit_worker, len(kinds), args=(scheme, kinds), scheme=scheme) as workers:
         async with scheme:
@@ -86,7 +89,7 @@ async def test_models_built_under_inference_mode_take_every_version(commit: str,
 
 async def test_a_copy_commit_that_cannot_be_written_whole_is_refused_whole() -> None:
     trainer = _model("")
-    scheme = MultiProcessWeightSyncScheme(timeout=30, commit="copy")
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S, commit="copy")
     scheme.init_on_sender(model=trainer, num_workers=1)
     async with spawn_workers(commit_worker, 1, args=(scheme, ["expand"]), scheme=scheme) as workers:
         try:

@@ -18,12 +18,13 @@ async def unconnected_worker(worker_idx: int, scheme: MultiProcessWeightSyncSche
     await asyncio.to_thread(done.wait, 60)
 
 
+@pytest.mark.timeout(240)  # a spawned worker imports torch: slow on a loaded machine
 async def test_a_worker_that_never_connects_its_receiver_is_named_with_the_fix() -> None:
     done = mp.get_context("spawn").Event()
     scheme = MultiProcessWeightSyncScheme(timeout=30)
     scheme.init_on_sender(model=make_model(), num_workers=1)
     try:
-        async with spawn_workers(unconnected_worker, 1, args=(scheme, done), scheme=scheme) as workers:
+        async with spawn_workers(unconnected_worker, 1, args=(scheme, done), scheme=scheme, join_timeout=120) as workers:
             try:
                 with pytest.raises(SyncTimeoutError) as info:
                     await scheme.connect(timeout=1.0)  # never answered, however fast the machine
