@@ -22,7 +22,7 @@ import logging
 import os
 import struct
 
-from ._errors import BrokenChannelError, ProtocolError
+from ._errors import BrokenChannelError, ProtocolError, format_seconds
 from ._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
 
 __all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "resolve_token"]
@@ -81,7 +81,7 @@ class ControlStream:
             what = "closed the connection" if not exc.partial else f"closed the connection inside a frame ({len(exc.partial)} bytes read)"
             raise BrokenChannelError(f"{self.peer} {what}") from None
         except (TimeoutError, asyncio.TimeoutError):
-            raise BrokenChannelError(f"{self.peer} sent nothing for {timeout:.1f}s (no heartbeat)") from None
+            raise BrokenChannelError(f"{self.peer} sent nothing for {format_seconds(timeout)} (no heartbeat)") from None
         except ProtocolError as exc:
             raise ProtocolError(f"{self.peer}: {exc}") from None
         except OSError as exc:

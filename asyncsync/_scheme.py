@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from types import TracebackType
@@ -37,6 +38,7 @@ from ._layout import Layout
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import ModelRef, OnWorkerError, Sender
 from ._slots import SlotPool
+from ._staging import device_problem
 from ._stats import ReceiverStatistics, SenderStatistics
 from ._strategy import STRATEGIES, Strategy, as_user_weights, resolve_model, to_flat
 
@@ -331,7 +333,8 @@ class MultiProcessWeightSyncScheme:
         ``update_policy_weights_`` it is called with every new version's weights, and
         so is ``on_update(weights, version)`` (sync or async). *device* overrides the
         device chosen on the sender (``devices`` / ``params_map`` / ``device_map_fn``);
-        by default the model's own device.
+        by default the model's own device. A device this process cannot use (CUDA where
+        there is none) raises :class:`ValueError` here.
         """
         if self._sender is not None and not self._sender.in_owner_process():
             raise RuntimeError(
@@ -346,6 +349,8 @@ class MultiProcessWeightSyncScheme:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if device is not None:
+            _check_device(torch.device(device), f"worker {worker_idx}")
         conn = self._endpoints.pop(worker_idx, None)
         if conn is None:
             raise ValueError(f"no channel for worker {worker_idx}; this scheme carries workers {sorted(self._endpoints)}")
@@ -494,16 +499,20 @@ class _Endpoint:
     """A channel end that pickles by passing its descriptor, whatever the pickler.
 
     A plain ``pickle`` of a ``Connection`` would copy the descriptor *number*; this goes
-    through multiprocessing's reduction (inherited at spawn, else a descriptor handoff).
+    through multiprocessing's reduction: inherited when pickled for a process being
+    started, else handed over by multiprocessing's resource sharer, once (:class:`_SharedFd`).
     """
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from multiprocessing.connection import reduce_connection  # type: ignore[attr-defined]
+        from multiprocessing.connection import rebuild_connection, reduce_connection  # type: ignore[attr-defined]
 
-        return (_Endpoint._rebuild, (reduce_connection(self.conn),))
+        if mp.context.get_spawning_popen() is not None:  # pickled for a process being started
+            return (_Endpoint._rebuild, (reduce_connection(self.conn),))
+        shared = _SharedFd(self.conn.fileno())
+        return (_Endpoint._rebuild, ((rebuild_connection, (shared, self.conn.readable, self.conn.writable)),))
 
     @staticmethod
     def _rebuild(reduced: tuple[Any, tuple[Any, ...]]) -> _Endpoint:
@@ -517,6 +526,45 @@ class _Endpoint:
             ) from exc
 
 
+class _SharedFd:
+    """multiprocessing's ``resource_sharer.DupFd``, except that asking for it again is refused
+    quietly (the peer gets EOF) instead of printing a ``KeyError`` from the sharer's thread.
+
+    The sharer hands each registered descriptor out once and then forgets its key; here the
+    key is re-armed with a refusal after every hand-out.
+    """
+
+    def __init__(self, fd: int) -> None:
+        from multiprocessing import reduction, resource_sharer
+
+        sharer = resource_sharer._resource_sharer  # type: ignore[attr-defined]
+        new_fd = os.dup(fd)
+        key: list[int] = []
+
+        def refuse(conn: Any, pid: int) -> None:
+            pass  # nothing sent: the asking side reads EOF
+
+        def rearm() -> None:  # the sharer calls this right after it popped the key
+            sharer._cache[key[0]] = (refuse, rearm)
+
+        def send(conn: Any, pid: int) -> None:
+            reduction.send_handle(conn, new_fd, pid)
+
+        def close() -> None:
+            os.close(new_fd)
+            rearm()
+
+        self._id = sharer.register(send, close)
+        key.append(self._id[1])
+
+    def detach(self) -> int:
+        """The descriptor (this process's own copy)."""
+        from multiprocessing import reduction, resource_sharer
+
+        with resource_sharer._resource_sharer.get_connection(self._id) as conn:  # type: ignore[attr-defined]
+            return int(reduction.recv_handle(conn))
+
+
 def _lookup(context: Any, model_id: str | None) -> nn.Module:
     model = resolve_model(context, model_id)
     if model is None:
@@ -525,12 +573,10 @@ def _lookup(context: Any, model_id: str | None) -> nn.Module:
 
 
 def _check_device(device: torch.device, who: str) -> torch.device:
-    """Fail before anything starts if a CUDA device cannot be used on this host."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{who}: device {device} requested, but CUDA is not available on this host")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"{who}: device {device} requested, but this host has {torch.cuda.device_count()} CUDA device(s)")
+    """Fail before anything starts if *device* cannot be used on this host."""
+    unusable = device_problem(device)
+    if unusable is not None:
+        raise ValueError(f"{who}: device {device} requested, but {unusable}")
     return device
 
 

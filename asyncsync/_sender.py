@@ -233,11 +233,23 @@ class Sender:
             return w.state == "connected" and link is not None and link.responded >= self._sent(w)
 
         if not await self._changed.wait_until(joined, timeout):
-            raise SyncTimeoutError(f"waiting for worker {worker_idx} to join", {worker_idx: self._applied(w)}, timeout)
+            raise SyncTimeoutError(
+                f"waiting for worker {worker_idx} to join", {worker_idx: self._applied(w)}, timeout, never_connected=self._never_connected([worker_idx])
+            )
         link = w.link
         assert link is not None
         if link.applied < self._sent(w):
             raise WorkerError(worker_idx, link.rejected, link.last_error or "rejected")
+
+    def _never_connected(self, ids: Iterable[int]) -> dict[int, int | None]:
+        """Of *ids*, the workers whose receiver never said hello, with the pid of the process
+        watched for them (alive: its death would have been noticed), or None."""
+        out: dict[int, int | None] = {}
+        for i in ids:
+            w = self._workers[i]
+            if w.state == "waiting" and (w.link is None or w.link.pid is None):
+                out[i] = getattr(w.process, "pid", None)
+        return out
 
     async def wait_dead(self, worker_idx: int, timeout: float | None = None) -> None:
         """Wait until the sender has noticed that *worker_idx* is gone."""
@@ -507,7 +519,7 @@ class Sender:
 
         if not await self._changed.wait_until(settled, limit):
             pending = {i: self._applied(self._workers[i]) for i, v in wanted.items() if self._applied(self._workers[i]) < v}
-            raise SyncTimeoutError(what, pending, limit)
+            raise SyncTimeoutError(what, pending, limit, never_connected=self._never_connected(pending))
 
     def _settled(self, wanted: dict[int, int], need: int, quorum: bool) -> bool:
         """True once *need* workers applied their wanted version; raise if that cannot happen."""
