@@ -4,6 +4,10 @@ import os
 
 # Executable ownership invariants on in every test (and in every worker it spawns).
 os.environ.setdefault("ASYNCSYNC_DEBUG", "1")
+# Workers are forked from a forkserver that imported torch, tensordict and asyncsync once
+# (a fraction of a second each, instead of seconds for a spawned interpreter). The tests
+# that are about spawn pass start_method="spawn"; ASYNCSYNC_START_METHOD=spawn runs all so.
+os.environ.setdefault("ASYNCSYNC_START_METHOD", "forkserver")
 
 import asyncio
 import multiprocessing as mp
@@ -19,6 +23,17 @@ from asyncsync.testing import no_leaks
 from tests._targets import make_model, probe_worker
 
 CTX = mp.get_context("spawn")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the forkserver now: it imports torch while the tests are collected."""
+    if os.environ["ASYNCSYNC_START_METHOD"] == "forkserver":
+        from multiprocessing import forkserver
+
+        from asyncsync._workers import FORKSERVER_PRELOAD
+
+        forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        forkserver.ensure_running()
 
 
 @pytest.fixture(autouse=True)
@@ -71,14 +86,20 @@ class Cluster:
             b.close()
             self.groups.append(g)
 
+    async def wait_started(self) -> None:
+        for g in self.groups:
+            await g.wait_started()
+
     async def start(self) -> Cluster:
         self.spawn()
+        await self.wait_started()  # connect's timeout counts from here, not from the imports
         await self.scheme.connect()
         return self
 
     async def start_manual(self) -> Cluster:
         """For commit_mode="manual": connect() needs each worker to commit version 0."""
         self.spawn()
+        await self.wait_started()
         connect = asyncio.ensure_future(self.scheme.connect())
         for p in self.probes:
             assert (await p.ask("wait_version", 0)) == -1  # staged, not committed yet

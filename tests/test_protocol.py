@@ -40,6 +40,7 @@ from asyncsync._protocol import (
     decode,
     encode,
 )
+from tests._strategies import texts as utf8_text
 from tests._targets import fill_, make_model
 
 I64 = (-(1 << 63), (1 << 63) - 1)
@@ -244,7 +245,7 @@ def test_decode_takes_bytes_only() -> None:
 # ------------------------------------------------------------------------------ fuzzing
 
 _DTYPE_LIST = sorted((d for d in _DTYPES.values() if d is not torch.complex32), key=str)  # complex32 warns in torch
-keys = st.text(max_size=12)
+keys = utf8_text(max_size=12)
 shapes = st.lists(st.integers(0, 5), max_size=4).map(tuple)
 
 
@@ -262,7 +263,7 @@ def layouts(draw: st.DrawFn) -> Layout:
 u32 = st.integers(0, U32_MAX)
 i64 = st.integers(*I64)
 slots = st.none() | u32
-texts = st.text(max_size=40)
+texts = utf8_text(max_size=40)
 durations = st.floats(0.0, 1e9, allow_nan=False)
 messages = st.one_of(
     st.builds(Hello, u32, u32),
