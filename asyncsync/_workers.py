@@ -267,7 +267,7 @@ class WorkerGroup:
     def start(self) -> None:
         """Start every worker (``async with`` does this, then waits for :meth:`wait_started`)."""
         n = len(self.worker_ids)
-        logger.info("starting %d worker%s (%s)...", n, "" if n == 1 else "s", self.ctx.get_start_method())
+        logger.info("asyncsync: starting %d worker%s (%s)...", n, "" if n == 1 else "s", self.ctx.get_start_method())
         self._t_start = time.monotonic()
         for i in self.worker_ids:
             self._start_one(i)
@@ -323,7 +323,7 @@ class WorkerGroup:
             raise SyncTimeoutError("waiting for worker processes to start", waiting, timeout)
         n = len(self.processes)
         since = getattr(self, "_t_start", t0)
-        logger.info("%d/%d worker%s started in %.1f s", n, n, "" if n == 1 else "s", time.monotonic() - since)
+        logger.info("asyncsync: %d/%d worker%s started in %.1f s", n, n, "" if n == 1 else "s", time.monotonic() - since)
 
     async def _wait_started_one(self, idx: int) -> None:
         while idx not in self._started:

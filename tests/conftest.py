@@ -36,6 +36,27 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         forkserver.ensure_running()
 
 
+# What depends on tensordict's version: CI's second pass (tensordict 0.14.3, torchrl's pin)
+# runs only these (`-m tensordict`): the weights formats, the strategies, the local state
+# machine, the local scheme across processes, and a smoke test of the multi-host scheme.
+TENSORDICT_TESTS = (
+    "tests/test_weights_formats.py",
+    "tests/test_scheme_unit.py",
+    "tests/test_regressions_unit.py",
+    "tests/test_stateful.py",
+    "tests/test_scheme_mp.py",
+    "tests/test_staging_mp.py",
+    "tests/test_variants_mp.py::test_one_worker_variants",
+    "tests/test_dist_loopback.py::test_in_process_round_trip_versions_and_partial",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(TENSORDICT_TESTS):
+            item.add_marker(pytest.mark.tensordict)
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_children() -> Iterator[None]:
     """Every test must leave no child process of ours behind. (Descriptors are checked where

@@ -33,8 +33,9 @@ MiB = 1 << 20
 
 @contextlib.contextmanager
 def child(target: Callable[..., None], *args: Any) -> Iterator[BaseProcess]:
-    """Start *target* in a spawned process; close our copies of its Connections; never leave it running."""
-    proc = CTX.Process(target=target, args=args, daemon=True)
+    """Start *target* in a child process (the suite's start method: a forkserver's child has
+    asyncsync imported already); close our copies of its Connections; never leave it running."""
+    proc = mp.get_context(os.environ.get("ASYNCSYNC_START_METHOD", "spawn")).Process(target=target, args=args, daemon=True)
     proc.start()
     for arg in args:
         if isinstance(arg, Connection):
