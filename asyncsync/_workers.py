@@ -585,16 +585,7 @@ def spawn_workers(
             asyncio.run(main())
     """
     return WorkerGroup(
-        fn,
-        num_workers,
-        worker_ids=worker_ids,
-        args=args,
-        kwargs=kwargs,
-        scheme=scheme,
-        join_timeout=join_timeout,
-        daemon=daemon,
-        orphan_grace=orphan_grace,
-        start_method=start_method,
-        start_timeout=start_timeout,
-    )
+        fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout,
+        daemon=daemon, orphan_grace=orphan_grace, start_method=start_method, start_timeout=start_timeout,
+    )  # fmt: skip
 

@@ -608,16 +608,9 @@ def open_workers(
             asyncio.run(main())
     """
     return ProcessWorkers(
-        fn,
-        num_workers,
-        worker_ids=worker_ids,
-        args=args,
-        kwargs=kwargs,
-        scheme=scheme,
-        join_timeout=join_timeout,
-        start_method=start_method,
-        start_timeout=start_timeout,
-    )
+        fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout,
+        start_method=start_method, start_timeout=start_timeout,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- leaks
