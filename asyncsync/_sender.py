@@ -410,10 +410,12 @@ class Sender:
         If the wait times out, calling ``connect()`` again waits for the same initial version.
         """
         self.start()
-        deadline = _deadline(self._limit(timeout))
+        t0, deadline = time.monotonic(), _deadline(self._limit(timeout))
         if self._version < 0:
             await self.send_async(weights, timeout=_remaining(deadline))
         await self.wait_async(version=0, timeout=_remaining(deadline), what="connect")
+        n = len(self._workers)
+        logger.info("asyncsync: connected: %d/%d workers at version 0 in %.1f s", n, n, time.monotonic() - t0)
         return 0
 
     async def send(
