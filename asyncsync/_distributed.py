@@ -38,20 +38,19 @@ from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ._control import resolve_token
+from ._core._source import ModelRef
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
 from ._layout import Layout
 from ._loopback import loopback_worker
+from ._options import DEFAULT, OnWorkerError, SchemeOptions, Timeout, resolve_timeout
 from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
 from ._scheme import MultiProcessWeightSyncScheme, _lookup
-from ._sender import ModelRef, OnWorkerError
 from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
-from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
+from ._strategy import Strategy, resolve_model, to_flat
 
 __all__ = ["DistributedWeightSyncScheme"]
-
-_DEFAULT: Any = ...
 
 
 class DistributedWeightSyncScheme:
@@ -126,12 +125,11 @@ class DistributedWeightSyncScheme:
         bind: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         heartbeat: float = 1.0,
-        silence_timeout: float | None | object = _DEFAULT,
+        silence_timeout: Timeout = DEFAULT,
         backend: str = "gloo",
         device: str | torch.device | None = None,
     ) -> None:
-        # The local scheme checks the shared options (and relays use it as is).
-        self._options: dict[str, Any] = dict(
+        options = SchemeOptions(
             strategy=strategy,
             sync=sync,
             timeout=timeout,
@@ -141,9 +139,8 @@ class DistributedWeightSyncScheme:
             check_finite=check_finite,
             transfer_dtype=transfer_dtype,
         )
-        MultiProcessWeightSyncScheme(**self._options)
-        if strategy not in STRATEGIES:  # pragma: no cover - checked above
-            raise ValueError(strategy)
+        self._wire_options = options
+        self._options: dict[str, Any] = options.kwargs()  # each relay's local scheme gets the same
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -171,7 +168,7 @@ class DistributedWeightSyncScheme:
         self.bind = bind or self.master_addr
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
-        self.silence_timeout: float | None = timeout if silence_timeout is _DEFAULT else silence_timeout  # type: ignore[assignment]
+        self.silence_timeout = resolve_timeout(silence_timeout, timeout)
         if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
             raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
         self.backend = backend
@@ -258,10 +255,7 @@ class DistributedWeightSyncScheme:
         if not first:
             raise ValueError("the weights hold no tensors")
         source_layout = Layout.from_tensors(first)
-        dtype_map = {}
-        if self.transfer_dtype is not None:
-            dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
-        wire_layout = Layout.from_tensors(first, dtype_map)
+        wire_layout = self._wire_options.wire_layout(source_layout, first)
         if by_context:  # looked up at every send, as locally (and as torchrl does)
             source = ModelRef(lambda: _lookup(context, model_id))
         store = self._open_store()
@@ -396,7 +390,7 @@ class DistributedWeightSyncScheme:
         """Worker: a staged version waits for :meth:`commit`."""
         return self.worker.update_pending
 
-    async def wait_for_version(self, version: int, *, timeout: float | None = _DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: Timeout = DEFAULT) -> int:
         """Worker: wait until the model runs *version* or newer."""
         return await self.worker.wait_for_version(version, timeout=timeout)
 
@@ -428,7 +422,7 @@ class DistributedWeightSyncScheme:
             return self._relay
         raise RuntimeError("call init_on_sender() or init_on_relay() first")
 
-    async def connect(self, timeout: float | None = _DEFAULT) -> int:
+    async def connect(self, timeout: Timeout = DEFAULT) -> int:
         """Trainer: send version 0 to every worker of every host and wait for every ack.
         Relay: join the trainer; return once the first weights reached the local workers.
         Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
@@ -482,13 +476,13 @@ class DistributedWeightSyncScheme:
         return self._side().version
 
     async def send(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: Timeout = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send`; *worker_ids* are ``(host, local)`` pairs."""
         return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 
     async def send_async(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: Timeout = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send_async`: returns once the snapshot is taken."""
         return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
@@ -499,7 +493,7 @@ class DistributedWeightSyncScheme:
         worker_ids: WorkerId | Iterable[WorkerId] | None = None,
         *,
         quorum: int | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: Timeout = DEFAULT,
     ) -> None:
         """As :meth:`MultiProcessWeightSyncScheme.wait_async`."""
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)

@@ -32,18 +32,19 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ._core._source import ModelRef
 from ._errors import WeightsError
 from ._layout import Layout
+from ._options import DEFAULT, OnWorkerError, SchemeOptions, Timeout, choice
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
-from ._sender import ModelRef, OnWorkerError, Sender
+from ._sender import Sender
 from ._slots import SlotPool
 from ._stats import ReceiverStatistics, SenderStatistics
-from ._strategy import STRATEGIES, Strategy, as_user_weights, resolve_model, to_flat
+from ._strategy import Strategy, as_user_weights, resolve_model, to_flat
 
 __all__ = ["MultiProcessWeightSyncScheme"]
 
 Transport = Literal["shm", "queue"]
-_DEFAULT: Any = ...
 
 
 class MultiProcessWeightSyncScheme:
@@ -113,16 +114,17 @@ class MultiProcessWeightSyncScheme:
         check_finite: bool = False,
         transfer_dtype: torch.dtype | None = None,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        _choice("transport", transport, ("shm", "queue"))
-        _choice("commit", commit, ("swap", "copy"))
-        _choice("commit_mode", commit_mode, ("auto", "manual"))
-        _choice("on_worker_error", on_worker_error, ("raise", "skip"))
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive or None, got {timeout}")
-        if transfer_dtype is not None and not (isinstance(transfer_dtype, torch.dtype) and transfer_dtype.is_floating_point):
-            raise ValueError(f"transfer_dtype must be a floating-point torch.dtype, got {transfer_dtype!r}")
+        self._options = SchemeOptions(
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            commit=commit,
+            commit_mode=commit_mode,
+            on_worker_error=on_worker_error,
+            check_finite=check_finite,
+            transfer_dtype=transfer_dtype,
+        )
+        choice("transport", transport, ("shm", "queue"))
         self.strategy: Strategy = strategy
         self.sync = sync
         self.timeout = timeout
@@ -242,10 +244,7 @@ class MultiProcessWeightSyncScheme:
                 del mapped
 
         source_layout = Layout.from_tensors(first)
-        dtype_map = {}
-        if self.transfer_dtype is not None:
-            dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
-        wire_layout = Layout.from_tensors(first, dtype_map)
+        wire_layout = self._options.wire_layout(source_layout, first)
         pool = SlotPool(
             wire_layout,
             num_slots=self.num_slots,
@@ -387,7 +386,7 @@ class MultiProcessWeightSyncScheme:
             return self._receiver
         raise RuntimeError("call init_on_sender() or init_on_receiver() first")
 
-    async def connect(self, timeout: float | None = _DEFAULT) -> int:
+    async def connect(self, timeout: Timeout = DEFAULT) -> int:
         """Sender: send the initial weights and wait for every worker's ack.
         Worker: start the receiver task and wait for the initial weights. Returns the version."""
         return await self._side().connect(timeout=timeout)
@@ -428,7 +427,7 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: float | None = _DEFAULT,
+        timeout: Timeout = DEFAULT,
     ) -> int:
         """Push weights (None: read the configured source) and, if ``sync``, wait for the acks.
 
@@ -445,7 +444,7 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: float | None = _DEFAULT,
+        timeout: Timeout = DEFAULT,
     ) -> int:
         """Push weights without waiting for acks; returns the version (see :meth:`wait_async`).
 
@@ -461,7 +460,7 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         quorum: int | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: Timeout = DEFAULT,
     ) -> None:
         """Wait until the targeted workers applied *version* (default: everything sent)."""
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
@@ -481,7 +480,7 @@ class MultiProcessWeightSyncScheme:
         """Worker: a staged version waits for :meth:`commit`."""
         return self.receiver.update_pending
 
-    async def wait_for_version(self, version: int, *, timeout: float | None = _DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: Timeout = DEFAULT) -> int:
         """Worker: wait until the model runs *version* or newer."""
         return await self.receiver.wait_for_version(version, timeout=timeout)
 
@@ -533,7 +532,3 @@ def _check_device(device: torch.device, who: str) -> torch.device:
             raise ValueError(f"{who}: device {device} requested, but this host has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
