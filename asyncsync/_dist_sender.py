@@ -34,10 +34,10 @@ import anyio
 import torch
 
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
-from ._core._acks import AckTracker, WorkerRecord
-from ._core._deadline import Deadline, locked_within, unless
-from ._core._offload import THREAD_COPY_BYTES, Offload
-from ._core._source import SourceReader
+from ._core._acks import WorkerRecord
+from ._core._deadline import unless
+from ._core._front import SenderCore
+from ._core._offload import THREAD_COPY_BYTES
 from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
 from ._errors import (
     AuthenticationError,
@@ -51,9 +51,8 @@ from ._errors import (
     WorkerLeftError,
 )
 from ._layout import Layout
-from ._options import DEFAULT, Timeout, resolve_timeout
+from ._options import DEFAULT, Timeout
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
-from ._signal import Signal
 from ._staging import copy_tensors, stream_done
 from ._stats import DistributedStatistics, HostStatistics
 
@@ -112,7 +111,7 @@ class _Host:
         self.tasks: list[asyncio.Task[None]] = []
 
 
-class DistSender:
+class DistSender(SenderCore[WorkerId, _RemoteWorker]):
     """Pushes weights to workers on remote hosts; created by ``init_on_sender``."""
 
     def __init__(
@@ -136,17 +135,11 @@ class DistSender:
         backend: str = "gloo",
         device: torch.device | None = None,
     ) -> None:
-        self._source_layout = source_layout
-        self._layout = wire_layout
         self._source = source
         self._store = store
         self._token = token
         self._bind = bind
         self._port = port
-        self.sync = sync
-        self.timeout = timeout
-        self.on_worker_error = on_worker_error
-        self.check_finite = check_finite
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
         self.silence_timeout = silence_timeout
@@ -154,18 +147,13 @@ class DistSender:
         self.device = device  # where the snapshots live and travel from (None: host memory)
         self._hosts = {h: _Host(h, n) for h, n in sorted(hosts.items())}
         self._workers: dict[WorkerId, _RemoteWorker] = {w.wid: w for h in self._hosts.values() for w in h.workers.values()}
+        super().__init__(
+            self._workers, source_layout=source_layout, wire_layout=wire_layout, sync=sync, timeout=timeout, on_worker_error=on_worker_error, check_finite=check_finite
+        )
         self._bufs: list[_Buf] = []
         self._serial = 0
-        self._reader = SourceReader(source_layout, wire_layout)
-        self._state = "new"
-        self._version = -1
-        self._sends = 0
         self._bytes_sent = 0
         self._last_send_bytes = 0
-        self._last_copy_s = 0.0
-        self._changed = Signal()
-        self._acks: AckTracker[WorkerId, _RemoteWorker] = AckTracker(self._workers, changed=self._changed, phase=lambda: self._state)
-        self._send_lock: asyncio.Lock | None = None
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._group: SyncGroup | None = None
@@ -173,30 +161,16 @@ class DistSender:
         self._generation = 0
         self._regroup = True
         self._tag = 0
-        self._copier = Offload("asyncsync-copy")
         self.address: tuple[str, int] | None = None
 
     # ----------------------------------------------------------------- public API
 
     @property
-    def worker_ids(self) -> list[WorkerId]:
-        return list(self._workers)
-
-    @property
     def hosts(self) -> list[int]:
         return list(self._hosts)
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    def applied_versions(self) -> dict[WorkerId, int]:
-        """Each worker's newest applied version (-1: none); one that is gone keeps its last."""
-        return self._acks.applied_versions()
+    async def _open(self) -> None:
+        await self.start()
 
     async def start(self) -> None:
         """Listen for relays (on ``bind``) and publish the address in the store."""
@@ -215,36 +189,23 @@ class DistSender:
 
     async def connect(self, timeout: Timeout = DEFAULT, weights: Any = None) -> int:
         """Start, send version 0 to every worker of every host, wait for every ack."""
-        await self.start()
-        deadline = Deadline(self._limit(timeout))
-        if self._version < 0:
-            await self.send_async(weights, timeout=deadline.remaining())
-        await self.wait_async(version=0, timeout=deadline.remaining(), what="connect")
-        return 0
+        return await self._connect(timeout, weights)
 
     async def send(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> int:
         """Snapshot *weights*; with ``sync`` wait until every targeted worker applied them
         (*timeout* bounds the whole call)."""
-        targets = self._targets(worker_ids)
-        deadline = Deadline(self._limit(timeout))
-        version = await self.send_async(weights, targets, partial=partial, timeout=deadline.remaining())
-        if self.sync:
-            await self.wait_async(version, targets, timeout=deadline.remaining(), what=f"send of version {version}")
-        return version
+        return await self._send(weights, worker_ids, partial, timeout)
 
     async def send_async(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> int:
         """Snapshot *weights* into a wire buffer and hand it to the transfer task.
 
         Never waits for a host; *timeout* bounds the wait for another send's snapshot.
         """
-        self._check_running()
         targets = self._targets(worker_ids)
-        if self.on_worker_error == "raise":
-            self._acks.refuse_gone(targets)
+        self._before_send(targets)
         flat = self._flat(weights, partial)
-        deadline = Deadline(self._limit(timeout))
+        await self._lock_send(timeout)
         assert self._send_lock is not None
-        await locked_within(self._send_lock, deadline, "waiting for another send's snapshot")
         try:
             self._check_running()
             by_base: dict[int, tuple[_Buf | None, list[WorkerId]]] = {}
@@ -296,10 +257,7 @@ class DistSender:
         what: str | None = None,
     ) -> None:
         """Wait until the targeted workers applied *version* (see the local scheme)."""
-        targets = self._targets(worker_ids)
-        await self._acks.wait(
-            targets, version, newest=self._version, quorum=quorum, skip_gone=self.on_worker_error == "skip", timeout=self._limit(timeout), what=what
-        )
+        await self._wait(version, worker_ids, quorum, timeout, what)
 
     async def wait_joined(self, host: int, timeout: float | None = None) -> None:
         """Wait until *host* is connected and each of its workers answered its newest version."""
@@ -345,20 +303,13 @@ class DistSender:
         """``Stop`` every relay (they stop their workers), wait (bounded), release everything."""
         if self._state == "closed":
             return
-        was_running = self._state == "running"
-        self._state = "closing"
-        self._changed.notify()
         with anyio.CancelScope(shield=True):
-            if was_running:
-                for h in self._hosts.values():
-                    if h.state == "connected" and h.stream is not None:
-                        try:
-                            h.stream.send(Stop())
-                        except BrokenChannelError:
-                            pass
-                await self._changed.wait_until(lambda: all(h.state != "connected" for h in self._hosts.values()), timeout)
-            self._state = "closed"
-            self._changed.notify()
+            await self._stop_peers(
+                timeout,
+                True,
+                lambda: [h.stream for h in self._hosts.values() if h.state == "connected" and h.stream is not None],
+                lambda stream: stream.send(Stop()),
+            )
             if self._server is not None:
                 self._server.close()
             tasks = self._tasks + [t for h in self._hosts.values() for t in h.tasks]
@@ -388,15 +339,6 @@ class DistSender:
 
     # ----------------------------------------------------------------- sends
 
-    def _limit(self, timeout: Timeout) -> float | None:
-        return resolve_timeout(timeout, self.timeout)
-
-    def _check_running(self) -> None:
-        if self._state == "new":
-            raise RuntimeError("call `await scheme.connect()` before sending")
-        if self._state != "running":
-            raise ClosedError("the sender is closed")
-
     def _host(self, host: int) -> _Host:
         try:
             return self._hosts[host]
@@ -405,19 +347,7 @@ class DistSender:
 
     def _targets(self, worker_ids: Any) -> list[WorkerId]:
         """``None`` (all), a ``(host, local)`` pair, or a list of them."""
-        if worker_ids is None:
-            return list(self._workers)
-        ids = [worker_ids] if isinstance(worker_ids, tuple) else list(worker_ids)
-        out: list[WorkerId] = []
-        for wid in ids:
-            if not (isinstance(wid, tuple) and len(wid) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in wid)):
-                raise TypeError(f"worker id {wid!r} is not a (host, local index) pair")
-            if wid not in self._workers:
-                raise ValueError(f"unknown worker id {wid!r}; workers are {sorted(self._workers)}")
-            out.append(wid)
-        if not out:
-            raise ValueError("worker_ids is empty")
-        return list(dict.fromkeys(out))
+        return self._parse_targets(worker_ids, _is_pair, "a (host, local index) pair")
 
     def _flat(self, weights: Any, partial: bool) -> dict[str, torch.Tensor]:
         if weights is None:
@@ -787,3 +717,6 @@ def _copy_snapshot(dst: list[torch.Tensor], src: list[torch.Tensor], device: tor
     if device is not None and device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the snapshot is complete when send_async returns
 
+
+def _is_pair(wid: object) -> bool:
+    return isinstance(wid, tuple) and len(wid) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in wid)

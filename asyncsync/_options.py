@@ -36,7 +36,7 @@ Timeout = float | None | UseDefault
 
 def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
     """*timeout*, or *default* where it is :data:`DEFAULT`."""
-    return default if timeout is DEFAULT else timeout  # type: ignore[return-value]
+    return default if timeout is DEFAULT else timeout
 
 
 def choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -160,8 +160,8 @@ class Receiver:
         limit = resolve_timeout(timeout, self.timeout)
         # Done once the first instruction is answered: applied, staged (manual mode), or
         # rejected (then the worker keeps its own weights and keeps running; the sender raises).
-        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):  # type: ignore[arg-type]
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
+        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)
         return self._version
 
     async def wait_for_version(self, version: int, *, timeout: Timeout = DEFAULT) -> int:
@@ -174,8 +174,8 @@ class Receiver:
             staged = pending is not None and pending.version >= version
             return self._version >= version or staged or self._ended()
 
-        if not await self._changed.wait_until(reached, limit):  # type: ignore[arg-type]
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
+        if not await self._changed.wait_until(reached, limit):
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)
         return self._version
 
     def commit(self) -> int | None:

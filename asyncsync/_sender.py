@@ -25,10 +25,11 @@ from typing import Any
 import anyio
 import torch
 
-from ._core._acks import AckTracker, WorkerRecord
-from ._core._deadline import Deadline, locked_within
-from ._core._offload import THREAD_COPY_BYTES, Offload
-from ._core._source import ModelRef, SourceReader
+from ._core._acks import WorkerRecord
+from ._core._deadline import Deadline
+from ._core._front import SenderCore
+from ._core._offload import THREAD_COPY_BYTES
+from ._core._source import ModelRef
 from ._errors import (
     BrokenChannelError,
     CapacityError,
@@ -41,11 +42,10 @@ from ._errors import (
     WouldBlock,
 )
 from ._layout import Layout
-from ._options import DEFAULT, OnWorkerError, Timeout, resolve_timeout
+from ._options import DEFAULT, OnWorkerError, Timeout
 from ._ownership import Ref, SlotLedger
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
-from ._signal import Signal
 from ._slots import Slot, SlotPool
 from ._staging import copy_tensors
 from ._stats import SenderStatistics
@@ -56,7 +56,8 @@ logger = logging.getLogger("asyncsync")
 
 
 class _Link:
-    """One connection (generation) to one worker: its channel and what it answered."""
+    """One connection (generation) to one worker: its channel, mapped slots and tasks (its
+    answers are kept by the :class:`AckTracker`)."""
 
     def __init__(self, generation: int, conn: Connection, child_conn: Connection) -> None:
         self.generation = generation
@@ -79,7 +80,7 @@ class _Worker(WorkerRecord):
         self.idx = idx
         self.device = device
         self.link: _Link | None = None
-        self.generation = 0
+        self.links = 0  # channels made for this worker id (the next one's generation)
         self.sends = 0  # versions published to this worker id
         self.process: Any = None
         self.sentinel: int | None = None
@@ -94,7 +95,7 @@ class StillWriting(Exception):
         self.done = done
 
 
-class Sender:
+class Sender(SenderCore[int, "_Worker"]):
     """Pushes weights to a fixed set of workers; created by ``init_on_sender``.
 
     Example::
@@ -131,16 +132,9 @@ class Sender:
         manual: bool,
         ctx: mp.context.BaseContext,
     ) -> None:
-        self._source_layout = source_layout
-        self._layout = wire_layout
         self._sources = sources  # worker id -> what send(weights=None) reads for it
-        self._reader = SourceReader(source_layout, wire_layout)
         self._pool = pool
         self._ledger = SlotLedger(manual=manual)
-        self.sync = sync
-        self.timeout = timeout
-        self.on_worker_error = on_worker_error
-        self.check_finite = check_finite
         self._ctx = ctx
         self._pid = os.getpid()
         # Encoded once (a layout that cannot travel fails here, at init): one frame per device.
@@ -151,15 +145,10 @@ class Sender:
             w = _Worker(idx, devices.get(idx))
             self._new_link(w)
             self._workers[idx] = w
-        self._state = "new"
-        self._version = -1
-        self._sends = 0
+        super().__init__(
+            self._workers, source_layout=source_layout, wire_layout=wire_layout, sync=sync, timeout=timeout, on_worker_error=on_worker_error, check_finite=check_finite
+        )
         self._bytes = 0
-        self._last_copy_s = 0.0
-        self._changed = Signal()
-        self._acks: AckTracker[int, _Worker] = AckTracker(self._workers, changed=self._changed, phase=lambda: self._state)
-        self._copier = Offload("asyncsync-copy")
-        self._send_lock: asyncio.Lock | None = None
         # Called with each worker's answers and losses (a relay forwards them to its trainer).
         self.on_ack: Callable[[int, Ack], None] | None = None
         self.on_lost: Callable[[int, WorkerDiedError], None] | None = None
@@ -168,8 +157,8 @@ class Sender:
 
     def _new_link(self, w: _Worker) -> _Link:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        w.generation += 1
-        w.link = _Link(w.generation, ours, theirs)
+        w.links += 1
+        w.link = _Link(w.links, ours, theirs)
         return w.link
 
     def in_owner_process(self) -> bool:
@@ -212,26 +201,9 @@ class Sender:
     # ----------------------------------------------------------------- public API
 
     @property
-    def worker_ids(self) -> list[int]:
-        return list(self._workers)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    @property
     def ledger(self) -> SlotLedger:
         """Who holds which slot (for debugging and tests)."""
         return self._ledger
-
-    def applied_versions(self) -> dict[int, int]:
-        """Each worker's newest applied version (-1: none). A worker that is gone keeps
-        the last version it applied; its state (:meth:`statistics`) says it is gone."""
-        return self._acks.applied_versions()
 
     def sent_version(self, worker_idx: int) -> int:
         """The newest version sent to *worker_idx* (-1: none)."""
@@ -250,6 +222,9 @@ class Sender:
                 assert w.link is not None
                 self._ledger.connect(w.idx)
                 self._start_tasks(w, w.link, loop)
+
+    async def _open(self) -> None:
+        self.start()
 
     async def publish_filled(
         self,
@@ -278,7 +253,7 @@ class Sender:
             self._check_running()
             self._check_newer(version, targets)  # ...and for sure, under the lock
             base = None if base_version is None else self._base_slot(targets, base_version)
-            slot = await self._acquire_slot(None)
+            slot = await self._acquire_slot(Deadline(None))
             try:
                 if base is not None:
                     await self._write(slot, {}, base)
@@ -354,12 +329,7 @@ class Sender:
 
         If the wait times out, calling ``connect()`` again waits for the same initial version.
         """
-        self.start()
-        deadline = Deadline(self._limit(timeout))
-        if self._version < 0:
-            await self.send_async(weights, timeout=deadline.remaining())
-        await self.wait_async(version=0, timeout=deadline.remaining(), what="connect")
-        return 0
+        return await self._connect(timeout, weights)
 
     async def send(
         self,
@@ -373,12 +343,7 @@ class Sender:
 
         *timeout* bounds the whole call: waiting for a free slot and for the acks.
         """
-        targets = self._targets(worker_ids)
-        deadline = Deadline(self._limit(timeout))
-        version = await self.send_async(weights, targets, partial=partial, timeout=deadline.remaining())
-        if self.sync:
-            await self.wait_async(version=version, worker_ids=targets, timeout=deadline.remaining(), what=f"send of version {version}")
-        return version
+        return await self._send(weights, worker_ids, partial, timeout)
 
     async def send_async(
         self,
@@ -396,14 +361,11 @@ class Sender:
         others keep the values each target last received. *timeout* bounds the wait for
         another send's snapshot and for a free slot (only possible with a ``max_slots`` cap).
         """
-        self._check_running()
         targets = self._targets(worker_ids)
-        if self.on_worker_error == "raise":
-            self._acks.refuse_gone(targets)
+        self._before_send(targets)
         groups = self._group(weights, targets, partial)
-        deadline = Deadline(self._limit(timeout))
+        deadline = await self._lock_send(timeout)
         assert self._send_lock is not None
-        await locked_within(self._send_lock, deadline, "waiting for another send's snapshot")
         try:
             self._check_running()
             plan = self._split_partial(groups)
@@ -441,10 +403,7 @@ class Sender:
         ``on_worker_error="skip"``), :class:`SyncTimeoutError` after *timeout* seconds,
         :class:`ValueError` for a version not sent yet.
         """
-        targets = self._targets(worker_ids)
-        await self._acks.wait(
-            targets, version, newest=self._version, quorum=quorum, skip_gone=self.on_worker_error == "skip", timeout=self._limit(timeout), what=what
-        )
+        await self._wait(version, worker_ids, quorum, timeout, what)
 
     def statistics(self) -> SenderStatistics:
         """A snapshot of versions, lags, errors, slots and timings."""
@@ -472,20 +431,13 @@ class Sender:
         """
         if self._state == "closed":
             return
-        was_running = self._state == "running" and stop
-        self._state = "closing"
-        self._changed.notify()
         with anyio.CancelScope(shield=True):
-            if was_running:
-                for w in self._workers.values():
-                    if w.state == "connected" and w.link is not None:
-                        try:
-                            w.link.queue.put_bytes_nowait(encode(Stop()))
-                        except Exception:
-                            pass
-                await self._changed.wait_until(lambda: all(w.state != "connected" for w in self._workers.values()), timeout)
-            self._state = "closed"
-            self._changed.notify()
+            await self._stop_peers(
+                timeout,
+                stop,
+                lambda: [w.link for w in self._workers.values() if w.state == "connected" and w.link is not None],
+                lambda link: link.queue.put_bytes_nowait(encode(Stop())),
+            )
             for w in self._workers.values():
                 if w.link is not None:
                     w.link.queue._unlisten()  # nothing is dispatched once closed
@@ -516,34 +468,13 @@ class Sender:
 
     # ----------------------------------------------------------------- internals
 
-    def _limit(self, timeout: Timeout) -> float | None:
-        return resolve_timeout(timeout, self.timeout)
-
-    def _check_running(self) -> None:
-        if self._state == "new":
-            raise RuntimeError("call `await scheme.connect()` before sending")
-        if self._state != "running":
-            raise ClosedError("the sender is closed")
-
     def _worker(self, idx: int) -> _Worker:
-        try:
-            return self._workers[idx]
-        except KeyError:
-            raise ValueError(f"unknown worker id {idx!r}; workers are {sorted(self._workers)}") from None
+        return self._record(idx)
 
     def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
-        if worker_ids is None:
-            return list(self._workers)
         if isinstance(worker_ids, bool):
             raise TypeError("worker_ids must be an int, a list of ints or None")
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-        for i in ids:
-            if not isinstance(i, int) or isinstance(i, bool):
-                raise TypeError(f"worker id {i!r} is not an int")
-            self._worker(i)
-        if not ids:
-            raise ValueError("worker_ids is empty")
-        return list(dict.fromkeys(ids))
+        return self._parse_targets(worker_ids, _is_index, "an int")
 
     def _group(self, weights: Any, targets: list[int], partial: bool) -> list[tuple[Mapping[str, torch.Tensor], list[int]]]:
         """Which validated weights go to which targets: one group per distinct source."""
@@ -711,7 +642,7 @@ class Sender:
 
     def _on_hello(self, w: _Worker, link: _Link, msg: Hello) -> None:
         link.pid = msg.pid
-        self._acks.connected(w.idx, msg.pid)
+        self._acks.connected(w.idx, msg.pid, link.generation)
         if link.child_conn is not None:
             link.child_conn.close()  # the worker holds its own copy now: EOF will mean it is gone
             link.child_conn = None
@@ -797,3 +728,6 @@ class Sender:
         self._release_unused()
         self._changed.notify()
 
+
+def _is_index(i: object) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool)

@@ -44,7 +44,7 @@ class WorkerRecord:
     def __init__(self, wid: Any) -> None:
         self.wid = wid
         self.state = "waiting"  # waiting | connected | dead | left | stopped
-        self.generation = 1  # the transport's connection number (statistics)
+        self.generation = 1  # the connection whose answers these are (numbered by the transport)
         self.sent = -1  # newest version sent to this worker id
         # The current (or last departed) connection's answers:
         self.applied = -1
@@ -95,15 +95,16 @@ class AckTracker(Generic[W, R]):
         rec.generation = generation
         self._changed.notify()
 
-    def connected(self, wid: W, pid: int | None = None) -> None:
-        """*wid*'s connection is up (a worker that was gone is a new connection)."""
+    def connected(self, wid: W, pid: int | None = None, generation: int | None = None) -> None:
+        """*wid*'s connection (*generation*, if the transport numbers them) is up; a worker
+        that was gone is on a new connection."""
         rec = self.records[wid]
         if rec.state in ("waiting", *GONE):
             if rec.state in GONE:
                 rec._new_connection()
             rec.state = "connected"
-            rec.death = None
-            rec.exitcode = None
+        if generation is not None:
+            rec.generation = generation
         if pid is not None:
             rec.pid = pid
         self._changed.notify()
