@@ -204,9 +204,7 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
         targets = self._targets(worker_ids)
         self._before_send(targets)
         flat = self._flat(weights, partial)
-        await self._lock_send(timeout)
-        assert self._send_lock is not None
-        try:
+        async with self._sending(timeout):
             self._check_running()
             by_base: dict[int, tuple[_Buf | None, list[WorkerId]]] = {}
             full = self._reader.is_whole(flat)
@@ -243,8 +241,6 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
                     self._assign(self._workers[wid], buf)
                 buf.transfers -= 1
             self._changed.notify()
-        finally:
-            self._send_lock.release()
         return version
 
     async def wait_async(

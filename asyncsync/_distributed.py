@@ -38,15 +38,14 @@ from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ._control import resolve_token
-from ._core._source import ModelRef
+from ._core._source import configured_source
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
-from ._layout import Layout
 from ._loopback import loopback_worker
 from ._options import DEFAULT, OnWorkerError, SchemeOptions, Timeout, resolve_timeout
 from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
-from ._scheme import MultiProcessWeightSyncScheme, _lookup
+from ._scheme import MultiProcessWeightSyncScheme
 from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
 from ._strategy import Strategy, resolve_model, to_flat
 
@@ -139,7 +138,7 @@ class DistributedWeightSyncScheme:
             check_finite=check_finite,
             transfer_dtype=transfer_dtype,
         )
-        self._wire_options = options
+        self._scheme_options = options
         self._options: dict[str, Any] = options.kwargs()  # each relay's local scheme gets the same
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -231,13 +230,7 @@ class DistributedWeightSyncScheme:
         for every rank of the launch but this one."""
         if self._sender is not None or self._relay is not None:
             raise RuntimeError("this scheme is already initialised")
-        if weights is not None and model is not None:
-            raise ValueError("pass either weights or model, not both")
-        by_context = model is None and weights is None
-        if by_context:
-            model = resolve_model(context, model_id)
-            if model is None:
-                raise ValueError("nothing to send: pass model= or weights=, or a context with the model at context.<model_id>")
+        source, first = configured_source(model, weights, context, model_id, choices="model= or weights=")
         if hosts is None:
             if workers_per_host is None:
                 raise ValueError("pass hosts={host: num_workers} or workers_per_host=")
@@ -250,14 +243,7 @@ class DistributedWeightSyncScheme:
         for h, n in hosts.items():
             if not (isinstance(h, int) and h >= 0 and isinstance(n, int) and n >= 1):
                 raise ValueError(f"hosts maps host ids (ints >= 0) to worker counts (>= 1), got {h!r}: {n!r}")
-        source: Any = model if model is not None else weights
-        first = to_flat(source)
-        if not first:
-            raise ValueError("the weights hold no tensors")
-        source_layout = Layout.from_tensors(first)
-        wire_layout = self._wire_options.wire_layout(source_layout, first)
-        if by_context:  # looked up at every send, as locally (and as torchrl does)
-            source = ModelRef(lambda: _lookup(context, model_id))
+        source_layout, wire_layout = self._scheme_options.layouts(first)
         store = self._open_store()
         self._sender = DistSender(
             hosts=hosts,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -75,9 +76,11 @@ class SchemeOptions:
         """These options as keyword arguments of :class:`MultiProcessWeightSyncScheme`."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def wire_layout(self, source_layout: Layout, first: Any) -> Layout:
-        """The layout on the wire: *source_layout* with ``transfer_dtype`` for floats."""
+    def layouts(self, first: Mapping[str, torch.Tensor]) -> tuple[Layout, Layout]:
+        """The layout of the weights *first*, and the one on the wire (floats in
+        ``transfer_dtype``, if set)."""
+        source_layout = Layout.from_tensors(first)
         if self.transfer_dtype is None:
-            return Layout.from_tensors(first)
+            return source_layout, source_layout
         dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
-        return Layout.from_tensors(first, dtype_map)
+        return source_layout, Layout.from_tensors(first, dtype_map)

@@ -32,9 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._core._source import ModelRef
-from ._errors import WeightsError
-from ._layout import Layout
+from ._core._source import configured_source
 from ._options import DEFAULT, OnWorkerError, SchemeOptions, Timeout, choice
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import Sender
@@ -189,8 +187,6 @@ class MultiProcessWeightSyncScheme:
         """
         if self._sender is not None or self._receiver is not None:
             raise RuntimeError("this scheme is already initialised")
-        if weights is not None and model is not None:
-            raise ValueError("pass either weights or model, not both")
         if params_map is not None and (weights is not None or model is not None):
             raise ValueError("params_map gives each worker's weights; do not pass weights or model with it")
         if params_map is not None and (devices is not None or device_map_fn is not None):
@@ -203,16 +199,8 @@ class MultiProcessWeightSyncScheme:
             raise TypeError(f"ctx must be a multiprocessing context, got {type(ctx).__name__}")
         elif ctx.get_start_method() == "fork":
             raise ValueError("asyncsync workers need the 'spawn' (or 'forkserver') start method, not 'fork'")
-        by_context = model is None and weights is None and params_map is None
-        if by_context:
-            model = resolve_model(context, model_id)
-            if model is None:
-                raise ValueError(
-                    "nothing to send: pass model=, weights= or params_map=, or a context with the model at "
-                    f"context.{model_id}" if model_id else "nothing to send: pass model=, weights= or params_map="
-                )
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if params_map is None:
+            source, first = configured_source(model, weights, context, model_id, choices="model=, weights= or params_map=")
 
         ids = self._worker_ids(params_map, devices, device_map_fn, num_workers, worker_ids)
         device_of: dict[int, str | None] = {i: None for i in ids}
@@ -227,15 +215,10 @@ class MultiProcessWeightSyncScheme:
                 device_of[i] = str(next(iter(flat.values())).device) if flat else None
             first = flat_map[ids[0]]
             sources = dict(params_map)
+            if not first:
+                raise ValueError("the weights hold no tensors")
         else:
-            src: Any = model if model is not None else weights
-            first = to_flat(src)
-            if by_context:  # looked up at every send, as torchrl does
-                src = ModelRef(lambda: _lookup(context, model_id))
-            sources = {i: src for i in ids}
-
-        if not first:
-            raise ValueError("the weights hold no tensors")
+            sources = {i: source for i in ids}
         if device_map_fn is not None:
             user_weights = as_user_weights(first, self.strategy)
             for i in ids:  # one worker at a time: never N device copies alive at once
@@ -243,8 +226,7 @@ class MultiProcessWeightSyncScheme:
                 device_of[i] = str(next(iter(mapped.values())).device)
                 del mapped
 
-        source_layout = Layout.from_tensors(first)
-        wire_layout = self._options.wire_layout(source_layout, first)
+        source_layout, wire_layout = self._options.layouts(first)
         pool = SlotPool(
             wire_layout,
             num_slots=self.num_slots,
@@ -514,13 +496,6 @@ class _Endpoint:
                 "a worker's channel end can be unpickled once, by one process: this scheme was already "
                 "unpickled elsewhere (pickle the scheme once per worker process)"
             ) from exc
-
-
-def _lookup(context: Any, model_id: str | None) -> nn.Module:
-    model = resolve_model(context, model_id)
-    if model is None:
-        raise WeightsError(f"context.{model_id} is no longer an nn.Module; nothing to send")
-    return model
 
 
 def _check_device(device: torch.device, who: str) -> torch.device:

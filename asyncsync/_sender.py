@@ -29,7 +29,6 @@ from ._core._acks import WorkerRecord
 from ._core._deadline import Deadline
 from ._core._front import SenderCore
 from ._core._offload import THREAD_COPY_BYTES
-from ._core._source import ModelRef
 from ._errors import (
     BrokenChannelError,
     CapacityError,
@@ -50,7 +49,7 @@ from ._slots import Slot, SlotPool
 from ._staging import copy_tensors
 from ._stats import SenderStatistics
 
-__all__ = ["ModelRef", "Sender"]
+__all__ = ["Sender"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -364,9 +363,7 @@ class Sender(SenderCore[int, "_Worker"]):
         targets = self._targets(worker_ids)
         self._before_send(targets)
         groups = self._group(weights, targets, partial)
-        deadline = await self._lock_send(timeout)
-        assert self._send_lock is not None
-        try:
+        async with self._sending(timeout) as deadline:
             self._check_running()
             plan = self._split_partial(groups)
             written: list[tuple[Slot, list[int]]] = []
@@ -382,8 +379,6 @@ class Sender(SenderCore[int, "_Worker"]):
             version = self._version
             self._sends += 1
             self._publish(written, version)
-        finally:
-            self._send_lock.release()
         return version
 
     async def wait_async(

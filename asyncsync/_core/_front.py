@@ -9,7 +9,8 @@ A sender subclasses :class:`SenderCore`, builds its per-worker records, and prov
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError
@@ -141,12 +142,18 @@ class SenderCore(Generic[W, R]):
         if self.on_worker_error == "raise":
             self._acks.refuse_gone(targets)
 
-    async def _lock_send(self, timeout: Timeout) -> Deadline:
-        """Take the send lock within *timeout*; the deadline that is left for the send."""
+    @contextlib.asynccontextmanager
+    async def _sending(self, timeout: Timeout) -> AsyncIterator[Deadline]:
+        """One send at a time: the send lock, taken within *timeout*; yields the deadline
+        left for the rest of the send."""
         deadline = Deadline(self._limit(timeout))
-        assert self._send_lock is not None
-        await locked_within(self._send_lock, deadline, "waiting for another send's snapshot")
-        return deadline
+        lock = self._send_lock
+        assert lock is not None
+        await locked_within(lock, deadline, "waiting for another send's snapshot")
+        try:
+            yield deadline
+        finally:
+            lock.release()
 
     async def _wait(self, version: int | None, worker_ids: Any, quorum: int | None, timeout: Timeout, what: str | None) -> None:
         targets = self._targets(worker_ids)

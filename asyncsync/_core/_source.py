@@ -6,12 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from .._errors import WeightsError
 from .._layout import Layout
-from .._strategy import KnownSource, to_flat, validate
+from .._strategy import KnownSource, resolve_model, to_flat, validate
 
-__all__ = ["ModelRef", "SourceReader"]
+__all__ = ["ModelRef", "SourceReader", "configured_source"]
 
 
 class ModelRef:
@@ -19,6 +20,34 @@ class ModelRef:
 
     def __init__(self, resolve: Callable[[], Any]) -> None:
         self.resolve = resolve
+
+
+def configured_source(model: Any, weights: Any, context: Any, model_id: str | None, *, choices: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """What ``send(weights=None)`` reads, from a scheme's ``init_on_sender`` arguments:
+    *model*, *weights*, or ``context.<model_id>`` (a :class:`ModelRef`, looked up at every
+    send, as torchrl does); and its tensors now. *choices* names the arguments in errors."""
+    if weights is not None and model is not None:
+        raise ValueError("pass either weights or model, not both")
+    by_context = model is None and weights is None
+    if by_context:
+        model = resolve_model(context, model_id)
+        if model is None:
+            where = f", or a context with the model at context.{model_id}" if model_id else ""
+            raise ValueError(f"nothing to send: pass {choices}{where}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    now = model if model is not None else weights
+    first = to_flat(now)
+    if not first:
+        raise ValueError("the weights hold no tensors")
+    return (ModelRef(lambda: _lookup(context, model_id)) if by_context else now), first
+
+
+def _lookup(context: Any, model_id: str | None) -> nn.Module:
+    model = resolve_model(context, model_id)
+    if model is None:
+        raise WeightsError(f"context.{model_id} is no longer an nn.Module; nothing to send")
+    return model
 
 
 class SourceReader:
