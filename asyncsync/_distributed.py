@@ -42,7 +42,7 @@ from ._core._source import configured_source
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
 from ._loopback import loopback_worker
-from ._options import DEFAULT, OnWorkerError, SchemeOptions, Timeout, resolve_timeout
+from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
 from ._scheme import MultiProcessWeightSyncScheme
@@ -124,7 +124,7 @@ class DistributedWeightSyncScheme:
         bind: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         heartbeat: float = 1.0,
-        silence_timeout: Timeout = DEFAULT,
+        silence_timeout: float | None | UseDefault = DEFAULT,
         backend: str = "gloo",
         device: str | torch.device | None = None,
     ) -> None:
@@ -376,7 +376,7 @@ class DistributedWeightSyncScheme:
         """Worker: a staged version waits for :meth:`commit`."""
         return self.worker.update_pending
 
-    async def wait_for_version(self, version: int, *, timeout: Timeout = DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Worker: wait until the model runs *version* or newer."""
         return await self.worker.wait_for_version(version, timeout=timeout)
 
@@ -408,7 +408,7 @@ class DistributedWeightSyncScheme:
             return self._relay
         raise RuntimeError("call init_on_sender() or init_on_relay() first")
 
-    async def connect(self, timeout: Timeout = DEFAULT) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Trainer: send version 0 to every worker of every host and wait for every ack.
         Relay: join the trainer; return once the first weights reached the local workers.
         Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
@@ -462,13 +462,13 @@ class DistributedWeightSyncScheme:
         return self._side().version
 
     async def send(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: Timeout = DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send`; *worker_ids* are ``(host, local)`` pairs."""
         return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 
     async def send_async(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: Timeout = DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send_async`: returns once the snapshot is taken."""
         return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
@@ -479,7 +479,7 @@ class DistributedWeightSyncScheme:
         worker_ids: WorkerId | Iterable[WorkerId] | None = None,
         *,
         quorum: int | None = None,
-        timeout: Timeout = DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
         """As :meth:`MultiProcessWeightSyncScheme.wait_async`."""
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)

@@ -36,8 +36,10 @@ Timeout = float | None | UseDefault
 
 
 def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
-    """*timeout*, or *default* where it is :data:`DEFAULT`."""
-    return default if timeout is DEFAULT else timeout
+    """*timeout*, or *default* where it is :data:`DEFAULT` (or ``...``, its older spelling)."""
+    if timeout is DEFAULT or timeout is ...:  # type: ignore[comparison-overlap]
+        return default
+    return timeout
 
 
 def choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from ._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from ._faults import installed as _installed_faults
 from ._layout import Layout
-from ._options import DEFAULT, Timeout, resolve_timeout
+from ._options import DEFAULT, UseDefault, resolve_timeout
 from ._ownership import BufferRoles, Weights, debug_enabled
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
@@ -150,7 +150,7 @@ class Receiver:
     def device(self) -> torch.device:
         return self._device
 
-    async def connect(self, timeout: Timeout = DEFAULT) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Start the receiver task; return once the initial weights are applied."""
         if self._state != "new":
             raise RuntimeError("connect() was already called") if self._state != "closed" else ClosedError("the receiver is closed")
@@ -164,7 +164,7 @@ class Receiver:
             raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)
         return self._version
 
-    async def wait_for_version(self, version: int, *, timeout: Timeout = DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Wait until the model runs *version* or newer, or has it staged (manual mode);
         return the version the model runs."""
         limit = resolve_timeout(timeout, self.timeout)

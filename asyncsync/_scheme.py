@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._core._source import configured_source
-from ._options import DEFAULT, OnWorkerError, SchemeOptions, Timeout, choice
+from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import Sender
 from ._slots import SlotPool
@@ -51,7 +51,8 @@ class MultiProcessWeightSyncScheme:
     Args:
         strategy: ``"tensordict"`` (weights as TensorDict) or ``"state_dict"`` (plain dict).
         sync: if True, :meth:`send` waits until every targeted worker applied the weights.
-        timeout: default bound, in seconds, of every wait (``None``: no bound).
+        timeout: default bound, in seconds, of every wait (``None``: no bound): what a
+            method's ``timeout=DEFAULT`` stands for.
         transport: ``"shm"`` (default: shared-memory slots allocated once and reused, one
             copy per send whatever the number of workers) or ``"queue"`` (a fresh
             shared-memory segment travels with every message, as with torch pickling).
@@ -368,7 +369,7 @@ class MultiProcessWeightSyncScheme:
             return self._receiver
         raise RuntimeError("call init_on_sender() or init_on_receiver() first")
 
-    async def connect(self, timeout: Timeout = DEFAULT) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Sender: send the initial weights and wait for every worker's ack.
         Worker: start the receiver task and wait for the initial weights. Returns the version."""
         return await self._side().connect(timeout=timeout)
@@ -409,7 +410,7 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: Timeout = DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Push weights (None: read the configured source) and, if ``sync``, wait for the acks.
 
@@ -426,13 +427,13 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: Timeout = DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Push weights without waiting for acks; returns the version (see :meth:`wait_async`).
 
         A worker still busy with an earlier version gets this one when it answers (latest
-        wins); the call never waits for a worker. *timeout* bounds the wait for a free
-        slot, which only happens with a ``max_slots`` cap.
+        wins); the call never waits for a worker. *timeout* bounds the wait for another
+        send's snapshot and for a free slot (only with a ``max_slots`` cap).
         """
         return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
 
@@ -442,7 +443,7 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         quorum: int | None = None,
-        timeout: Timeout = DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
         """Wait until the targeted workers applied *version* (default: everything sent)."""
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
@@ -462,7 +463,7 @@ class MultiProcessWeightSyncScheme:
         """Worker: a staged version waits for :meth:`commit`."""
         return self.receiver.update_pending
 
-    async def wait_for_version(self, version: int, *, timeout: Timeout = DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Worker: wait until the model runs *version* or newer."""
         return await self.receiver.wait_for_version(version, timeout=timeout)
 

@@ -41,7 +41,7 @@ from ._errors import (
     WouldBlock,
 )
 from ._layout import Layout
-from ._options import DEFAULT, OnWorkerError, Timeout
+from ._options import DEFAULT, OnWorkerError, UseDefault
 from ._ownership import Ref, SlotLedger
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
@@ -323,7 +323,7 @@ class Sender(SenderCore[int, "_Worker"]):
             self._release_unused()
         self._changed.notify()
 
-    async def connect(self, timeout: Timeout = DEFAULT, weights: Any = None) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT, weights: Any = None) -> int:
         """Start watching the workers, send the initial weights, wait for every ack.
 
         If the wait times out, calling ``connect()`` again waits for the same initial version.
@@ -336,7 +336,7 @@ class Sender(SenderCore[int, "_Worker"]):
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: Timeout = DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Publish *weights*; with ``sync`` wait until every targeted worker applied them.
 
@@ -350,7 +350,7 @@ class Sender(SenderCore[int, "_Worker"]):
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: Timeout = DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Copy *weights* into shared memory and publish them; return the new version.
 
@@ -387,7 +387,7 @@ class Sender(SenderCore[int, "_Worker"]):
         worker_ids: int | Iterable[int] | None = None,
         *,
         quorum: int | None = None,
-        timeout: Timeout = DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
         what: str | None = None,
     ) -> None:
         """Wait until the targeted workers applied *version* (default: all sent so far).
