@@ -128,16 +128,7 @@ class DistributedWeightSyncScheme:
         backend: str = "gloo",
         device: str | torch.device | None = None,
     ) -> None:
-        options = SchemeOptions(
-            strategy=strategy,
-            sync=sync,
-            timeout=timeout,
-            commit=commit,
-            commit_mode=commit_mode,
-            on_worker_error=on_worker_error,
-            check_finite=check_finite,
-            transfer_dtype=transfer_dtype,
-        )
+        options = SchemeOptions(strategy, sync, timeout, commit, commit_mode, on_worker_error, check_finite, transfer_dtype)
         self._scheme_options = options
         self._options: dict[str, Any] = options.kwargs()  # each relay's local scheme gets the same
         if backend not in ("gloo", "nccl"):

@@ -113,16 +113,7 @@ class MultiProcessWeightSyncScheme:
         check_finite: bool = False,
         transfer_dtype: torch.dtype | None = None,
     ) -> None:
-        self._options = SchemeOptions(
-            strategy=strategy,
-            sync=sync,
-            timeout=timeout,
-            commit=commit,
-            commit_mode=commit_mode,
-            on_worker_error=on_worker_error,
-            check_finite=check_finite,
-            transfer_dtype=transfer_dtype,
-        )
+        self._options = SchemeOptions(strategy, sync, timeout, commit, commit_mode, on_worker_error, check_finite, transfer_dtype)
         choice("transport", transport, ("shm", "queue"))
         self.strategy: Strategy = strategy
         self.sync = sync
