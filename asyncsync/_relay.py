@@ -38,6 +38,7 @@ from ._errors import (
     WorkerDiedError,
     WorkerLeftError,
 )
+from ._options import DEFAULT, Timeout, resolve_timeout
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
 from ._sender import Sender, StillWriting
 from ._signal import Signal
@@ -90,12 +91,12 @@ class Relay:
         """Newest version landed on this host and published to its workers (-1: none)."""
         return self._published
 
-    async def connect(self, timeout: float | None | object = ...) -> int:
+    async def connect(self, timeout: Timeout = DEFAULT) -> int:
         """Join the trainer, then wait until the first weights reached every local worker."""
         if self._state != "new":
             raise RuntimeError("connect() was already called")
         self._state = "running"
-        limit: float | None = self.timeout if timeout is ... else timeout  # type: ignore[assignment]
+        limit = resolve_timeout(timeout, self.timeout)
         self.local.start()
         self.local.on_ack = self._forward_ack
         self.local.on_lost = self._forward_lost

@@ -183,13 +183,14 @@ async def test_a_replacement_that_rejects_fails_restart_and_old_acks_never_count
             group.kill(1)
             await scheme.sender.wait_dead(1, timeout=10)
             stats = scheme.statistics().worker(1)
-            assert stats.state == "dead" and stats.applied_version == -1  # the dead connection's acks are gone
+            # The dead connection's last applied version stays visible, with its state...
+            assert (stats.state, stats.applied_version, stats.generation) == ("dead", v, 1)
             kind.write_text("wide")  # the replacement cannot take these weights
             with pytest.raises(WorkerError, match="worker 1 rejected") as info:
                 await group.restart(1)
             assert "sent shape (16, 4), model has (32, 4)" in str(info.value)
             stats = scheme.statistics().worker(1)
-            assert stats.generation == 2 and stats.applied_version == -1 and stats.state == "connected"
+            assert stats.generation == 2 and stats.applied_version == -1 and stats.state == "connected"  # ...never counted for the new one
             with pytest.raises(WorkerError):
                 await scheme.wait_async(version=v)  # not satisfied by the first process's ack
     assert group.results == {0: v, 1: -1}  # the replacement kept its own weights
