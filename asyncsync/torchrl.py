@@ -222,7 +222,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         if not self._connecting.done():
             done, _ = await asyncio.wait([self._connecting], timeout=timeout)
             if not done:
-                raise SyncTimeoutError("the workers' initial weights", self._inner.sender.applied_versions, timeout)
+                raise SyncTimeoutError("the workers' initial weights", {}, timeout)
         self._connecting.result()  # the connect error (a dead or rejecting worker), at every call
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None, *, timeout: float | None = _DEFAULT) -> int:
@@ -589,13 +589,14 @@ class _LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         future = self.submit(coro)
         try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise SyncTimeoutError("an AsyncSyncScheme call", {}, timeout) from None
+            done, _ = concurrent.futures.wait([future], timeout)
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt in the caller: do not leave it running
             raise
+        if not done:
+            future.cancel()
+            raise SyncTimeoutError("an AsyncSyncScheme call", {}, timeout)
+        return future.result()
 
     def close(self) -> None:
         if self.alive:
