@@ -51,8 +51,16 @@ class _Process(aiomultiprocess.Process):  # type: ignore[misc]
     ``run_async`` (a fresh event loop running the coroutine).
     """
 
-    def __init__(self, ctx: mp.context.BaseContext, target: Callable[..., Any], args: tuple[Any, ...], name: str, daemon: bool) -> None:
-        self.unit = Unit(target=target, args=args, kwargs={}, namespace=None)
+    def __init__(
+        self,
+        ctx: mp.context.BaseContext,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        name: str,
+        daemon: bool,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> None:
+        self.unit = Unit(target=target, args=args, kwargs={}, namespace=None, loop_initializer=loop_factory)
         self.aio_process = ctx.Process(target=aiomultiprocess.Process.run_async, args=(self.unit,), name=name, daemon=daemon)  # type: ignore[attr-defined]
 
 
@@ -156,6 +164,7 @@ class WorkerGroup:
         daemon: bool = False,
         orphan_grace: float = 5.0,
         ctx: mp.context.BaseContext | None = None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
@@ -171,6 +180,7 @@ class WorkerGroup:
         self.join_timeout = join_timeout
         self.daemon = daemon  # daemonic workers cannot start processes of their own
         self.orphan_grace = orphan_grace
+        self.loop_factory = loop_factory if loop_factory is not None else _caller_loop_factory()
         self.ctx = ctx if ctx is not None else mp.get_context("spawn")
         if self.ctx.get_start_method() != "spawn":
             raise ValueError("asyncsync workers need the 'spawn' start method")
@@ -198,6 +208,7 @@ class WorkerGroup:
             (self.fn, idx, results_w, lifeline_r, self.orphan_grace, self.args, self.kwargs),
             name=f"asyncsync-worker-{idx}",
             daemon=self.daemon,
+            loop_factory=self.loop_factory,
         )
         try:
             proc.start()
@@ -325,6 +336,19 @@ class WorkerGroup:
                     pass
 
 
+def _caller_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory if the calling code runs on uvloop, else None (asyncio's)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    if type(loop).__module__.split(".")[0] == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return None
+
+
 def spawn_workers(
     fn: Callable[..., Coroutine[Any, Any, Any]],
     num_workers: int | None = None,
@@ -336,6 +360,7 @@ def spawn_workers(
     join_timeout: float = 30.0,
     daemon: bool = False,
     orphan_grace: float = 5.0,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
 ) -> WorkerGroup:
     """A :class:`WorkerGroup` to use as ``async with``; see the module docstring.
 
@@ -343,6 +368,9 @@ def spawn_workers(
     worker's death is noticed at once through its process sentinel. If the parent dies,
     each worker's function gets *orphan_grace* seconds to end (a scheme's receiver raises
     :class:`SenderDiedError` at once), then it is cancelled and the process exits.
+    Each worker runs *fn* on a fresh event loop made by *loop_factory* (it must pickle,
+    e.g. ``uvloop.new_event_loop``); by default, the kind of loop ``spawn_workers`` is
+    called from: uvloop's under uvloop, else asyncio's.
 
     Example (a script: spawned workers import their function from it)::
 
@@ -369,5 +397,16 @@ def spawn_workers(
         if __name__ == "__main__":
             asyncio.run(main())
     """
-    return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout, daemon=daemon, orphan_grace=orphan_grace)
+    return WorkerGroup(
+        fn,
+        num_workers,
+        worker_ids=worker_ids,
+        args=args,
+        kwargs=kwargs,
+        scheme=scheme,
+        join_timeout=join_timeout,
+        daemon=daemon,
+        orphan_grace=orphan_grace,
+        loop_factory=loop_factory,
+    )
 

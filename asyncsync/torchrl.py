@@ -211,7 +211,9 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         async def start() -> asyncio.Task[int]:
             for idx, proc in zip(self._inner.sender.worker_ids, processes):
                 self._inner.watch_process(idx, proc)  # a death is seen at once, not at the next read
-            task = asyncio.get_running_loop().create_task(self._inner.connect(), name="asyncsync-torchrl-connect")
+            # Unbounded here: the workers start (import torch, build envs) before they answer, and
+            # each send bounds its own wait for this; a worker that dies meanwhile is named at once.
+            task = asyncio.get_running_loop().create_task(self._inner.connect(timeout=None), name="asyncsync-torchrl-connect")
             task.add_done_callback(_retrieve)
             return task
 

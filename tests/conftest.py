@@ -21,6 +21,29 @@ from tests._targets import make_model, probe_worker
 CTX = mp.get_context("spawn")
 
 
+# ASYNCSYNC_TEST_LOOP=uvloop: every asyncio test (and fixture) runs on uvloop, and so do the
+# workers it spawns (spawn_workers follows the loop it is called from). CI runs a subset so.
+TEST_LOOP = os.environ.get("ASYNCSYNC_TEST_LOOP", "asyncio")
+
+
+class _UvloopFactories:
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_asyncio_loop_factories(self, config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if TEST_LOOP == "asyncio":
+        return
+    if TEST_LOOP != "uvloop":
+        raise pytest.UsageError(f"ASYNCSYNC_TEST_LOOP must be 'asyncio' or 'uvloop', got {TEST_LOOP!r}")
+    if not config.pluginmanager.hasplugin("asyncio") or not hasattr(config.hook, "pytest_asyncio_loop_factories"):
+        raise pytest.UsageError("ASYNCSYNC_TEST_LOOP=uvloop needs pytest-asyncio >= 1.3 (its loop-factory hook)")
+    config.pluginmanager.register(_UvloopFactories(), "asyncsync-uvloop")
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_children() -> Iterator[None]:
     """Every test must leave no child process of ours behind. (Descriptors are checked where

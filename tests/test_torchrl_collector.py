@@ -31,7 +31,7 @@ def _versions(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_no_forward_sees_two_versions_while_updates_land_during_collection() -> None:
     policy = version_policy()
-    scheme = AsyncSyncScheme(timeout=60)
+    scheme = AsyncSyncScheme(timeout=120)
     # Collector(num_collectors=2, sync=False): two worker processes collecting freely,
     # so the updates below land while their rollouts run.
     collector = Collector(
@@ -64,7 +64,7 @@ def test_no_forward_sees_two_versions_while_updates_land_during_collection() -> 
 
 def test_multi_sync_collector_runs_each_version_and_names_a_killed_worker() -> None:
     policy = version_policy()
-    scheme = AsyncSyncScheme(timeout=60)
+    scheme = AsyncSyncScheme(timeout=120)
     collector = MultiSyncCollector(
         [make_env, make_env],
         policy,
@@ -86,7 +86,7 @@ def test_multi_sync_collector_runs_each_version_and_names_a_killed_worker() -> N
         collector.procs[1].kill()
         t0 = time.perf_counter()
         set_version(policy, 99)
-        # The scheme's timeout is 60 s: a WorkerDiedError (not a SyncTimeoutError) shows the
+        # The scheme's timeout is 120 s: a WorkerDiedError (not a SyncTimeoutError) shows the
         # death was noticed by itself, not by waiting.
         with pytest.raises(WorkerDiedError, match="worker 1"):
             collector.update_policy_weights_()

@@ -24,9 +24,9 @@ from asyncsync.torchrl import AsyncSyncScheme  # noqa: E402
 from tests._torchrl_targets import VersionNet, held_worker, set_version  # noqa: E402
 
 CTX = mp.get_context("spawn")
-REPLY_S = 60.0
+REPLY_S = 120.0  # a spawned worker imports torch and torchrl first: slow on a loaded machine
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 class Worker:
@@ -56,7 +56,7 @@ class Worker:
 
 def start(n: int, **options: Any) -> tuple[AsyncSyncScheme, torch.nn.Module, list[Worker]]:
     policy = VersionNet(n=4)
-    scheme = AsyncSyncScheme(timeout=30, **options)
+    scheme = AsyncSyncScheme(timeout=REPLY_S, **options)
     scheme.init_on_sender(model_id="policy", model=policy, num_workers=n, ctx=CTX)
     workers = [Worker(scheme, i) for i in range(n)]
     scheme.connect()  # returns before the workers have applied version 0
