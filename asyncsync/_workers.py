@@ -99,18 +99,27 @@ class _Process(aiomultiprocess.Process):  # type: ignore[misc]
     errors travel over our own pipe instead. The child side is :func:`_run_child`.
     """
 
-    def __init__(self, ctx: mp.context.BaseContext, target: Callable[..., Any], args: tuple[Any, ...], name: str, daemon: bool) -> None:
-        self.unit = Unit(target=target, args=args, kwargs={}, namespace=None)
+    def __init__(
+        self,
+        ctx: mp.context.BaseContext,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        name: str,
+        daemon: bool,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> None:
+        self.unit = Unit(target=target, args=args, kwargs={}, namespace=None, loop_initializer=loop_factory)
         self.aio_process = ctx.Process(target=_run_child, args=(self.unit,), name=name, daemon=daemon)  # type: ignore[attr-defined]
 
 
 def _run_child(unit: Unit) -> None:
-    """A worker process's target: a fresh event loop running :func:`_child_entry`.
+    """A worker process's target: a fresh event loop (``unit.loop_initializer``'s, or
+    asyncio's) running :func:`_child_entry`.
 
     A function that raised exits with code 1 and no traceback of ours on stderr: the
     parent gets the function's own exception and traceback over the result pipe.
     """
-    loop = asyncio.new_event_loop()
+    loop = unit.loop_initializer() if unit.loop_initializer is not None else asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     if loop.run_until_complete(unit.target(*unit.args, **unit.kwargs)):
         sys.exit(1)
@@ -237,6 +246,7 @@ class WorkerGroup:
         ctx: mp.context.BaseContext | None = None,
         start_method: str | None = None,
         start_timeout: float = START_TIMEOUT,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
@@ -254,6 +264,7 @@ class WorkerGroup:
         self.orphan_grace = orphan_grace
         self.start_timeout = start_timeout
         self.ctx = _context(ctx, start_method)
+        self.loop_factory = loop_factory if loop_factory is not None else _caller_loop_factory()
         self.processes: dict[int, aiomultiprocess.Process] = {}
         self.results: dict[int, Any] = {}
         self._outcomes: dict[int, _Outcome] = {}
@@ -282,6 +293,7 @@ class WorkerGroup:
             (self.fn, idx, results_w, lifeline_r, self.orphan_grace, self.args, self.kwargs),
             name=f"asyncsync-worker-{idx}",
             daemon=self.daemon,
+            loop_factory=self.loop_factory,
         )
         try:
             proc.start()
@@ -532,6 +544,19 @@ class _Outcome:
         self.exc = exc
 
 
+def _caller_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory if the calling code runs on uvloop, else None (asyncio's)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    if type(loop).__module__.split(".")[0] == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return None
+
+
 def spawn_workers(
     fn: Callable[..., Coroutine[Any, Any, Any]],
     num_workers: int | None = None,
@@ -545,6 +570,7 @@ def spawn_workers(
     orphan_grace: float = 5.0,
     start_method: str | None = None,
     start_timeout: float = START_TIMEOUT,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
 ) -> WorkerGroup:
     """A :class:`WorkerGroup` to use as ``async with``; see the module docstring.
 
@@ -558,6 +584,9 @@ def spawn_workers(
     *start_timeout* seconds; a worker that raises is reported as :class:`WorkerProcessError`
     with its exception's type, message and traceback, also when the block fails because
     that worker died.
+    Each worker runs *fn* on a fresh event loop made by *loop_factory* (it must pickle,
+    e.g. ``uvloop.new_event_loop``); by default, the kind of loop ``spawn_workers`` is
+    called from: uvloop's under uvloop, else asyncio's.
 
     Example (a script: spawned workers import their function from it)::
 
@@ -587,5 +616,6 @@ def spawn_workers(
     return WorkerGroup(
         fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout,
         daemon=daemon, orphan_grace=orphan_grace, start_method=start_method, start_timeout=start_timeout,
+        loop_factory=loop_factory,
     )  # fmt: skip
 

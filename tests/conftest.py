@@ -48,6 +48,7 @@ TENSORDICT_TESTS = (
     "tests/test_staging_mp.py",
     "tests/test_variants_mp.py::test_one_worker_variants",
     "tests/test_dist_loopback.py::test_in_process_round_trip_versions_and_partial",
+    "tests/test_torchrl_",  # torchrl 0.14 is installed only with tensordict 0.14.3
 )
 
 
@@ -55,6 +56,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(TENSORDICT_TESTS):
             item.add_marker(pytest.mark.tensordict)
+
+# ASYNCSYNC_TEST_LOOP=uvloop: every asyncio test (and fixture) runs on uvloop, and so do the
+# workers it spawns (spawn_workers follows the loop it is called from). CI runs a subset so.
+TEST_LOOP = os.environ.get("ASYNCSYNC_TEST_LOOP", "asyncio")
+
+
+class _UvloopFactories:
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_asyncio_loop_factories(self, config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if TEST_LOOP == "asyncio":
+        return
+    if TEST_LOOP != "uvloop":
+        raise pytest.UsageError(f"ASYNCSYNC_TEST_LOOP must be 'asyncio' or 'uvloop', got {TEST_LOOP!r}")
+    if not config.pluginmanager.hasplugin("asyncio") or not hasattr(config.hook, "pytest_asyncio_loop_factories"):
+        raise pytest.UsageError("ASYNCSYNC_TEST_LOOP=uvloop needs pytest-asyncio >= 1.3 (its loop-factory hook)")
+    config.pluginmanager.register(_UvloopFactories(), "asyncsync-uvloop")
 
 
 @pytest.fixture(autouse=True)
