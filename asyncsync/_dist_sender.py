@@ -187,6 +187,7 @@ class DistSender:
         self._regroup = True
         self._tag = 0
         self._executor: ThreadPoolExecutor | None = None
+        self._streams: set[ControlStream] = set()  # every control connection not yet closed
         self.address: tuple[str, int] | None = None
 
     # ----------------------------------------------------------------- public API
@@ -444,9 +445,10 @@ class DistSender:
             self._tasks = []
             for h in self._hosts.values():
                 h.tasks = []
-                if h.stream is not None:
-                    await h.stream.aclose()
-                    h.stream = None
+                h.stream = None
+            streams, self._streams = list(self._streams), set()
+            for stream in streams:  # (those of lost hosts are closed already: their threads end)
+                await stream.aclose()
             if self._server is not None:
                 await self._server.wait_closed()
                 self._server = None
@@ -727,6 +729,7 @@ class DistSender:
         addr = writer.get_extra_info("peername")
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
         stream = ControlStream(reader, writer, f"relay at {peer}")
+        self._streams.add(stream)
         try:
             host = await asyncio.wait_for(self._handshake(stream), 10.0)
         except (ProtocolError, AuthenticationError, BrokenChannelError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
@@ -741,9 +744,18 @@ class DistSender:
             return
         h = self._hosts[host.host]
         if h.stream is not None:
+            # The newest connection wins (a restarted host may come back before its old
+            # connection is noticed dead); the old relay is told why it is dropped.
             old = h.stream
             self._lose(h, "it connected again (the old connection is dropped)", state="dead")
-            old.close()
+            try:
+                old.send(Bye(h.idx, -1, f"replaced by another relay for host {h.idx} (pid {host.pid} at {peer})"))
+            except BrokenChannelError:
+                pass
+            await old.aclose()
+            if self._state != "running" or h.stream is not None:
+                await stream.aclose()
+                return
         stream.limit = FRAME_LIMIT
         h.stream = stream
         h.state = "connected"
@@ -764,7 +776,8 @@ class DistSender:
         for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
             t.cancel()
         h.tasks = [t for t in h.tasks if not t.done()]
-        h.tasks += [loop.create_task(self._read_loop(h, stream)), loop.create_task(stream.heartbeat(self.heartbeat))]
+        h.tasks.append(loop.create_task(self._read_loop(h, stream)))
+        stream.start_heartbeat(self.heartbeat)
         self._regroup = True
         logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
         self._changed.notify()
@@ -811,6 +824,8 @@ class DistSender:
                 self._lose(h, str(exc))
         finally:
             stream.close()
+            await stream.wait_closed()
+            self._streams.discard(stream)
 
     def _on_ack(self, h: _Host, ack: Ack) -> None:
         w = h.workers.get(ack.worker_idx)

@@ -202,6 +202,14 @@ class DistributedWeightSyncScheme:
         self._store = PrefixStore("asyncsync/", base)
         return self._store
 
+    def _store_name(self) -> str:
+        if self._user_store is not None:
+            return "the store passed as store="
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+            return f"torchrun's agent store ({self.master_addr}:{self.master_port})"
+        port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
+        return f"{self.master_addr}:{port}"
+
     def _resolve_token(self, store: Any, trainer: bool) -> bytes:
         if self._token is not None:
             return self._token
@@ -311,13 +319,15 @@ class DistributedWeightSyncScheme:
         frozen = {k: t.detach().clone() for k, t in template.items()}  # the relay never reads it again
         local = MultiProcessWeightSyncScheme(**self._options)
         local.init_on_sender(weights=frozen, num_workers=num_workers)
-        store = self._open_store()
         self._local = local
+        # The store is opened by connect(), off the loop and bounded by its timeout (a store
+        # client connecting to a host that does not answer would block here).
         self._relay = Relay(
             host=self.rank if host is None else host,
             local=local.sender,
-            store=store,
-            token=self._resolve_token(store, trainer=False),
+            open_store=self._open_store,
+            store_name=self._store_name(),
+            token=self._token,
             timeout=self.timeout,
             heartbeat=self.heartbeat,
             silence_timeout=self.silence_timeout,
