@@ -29,9 +29,10 @@ import asyncio
 import datetime
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Coroutine, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from ._control import resolve_token
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
+from ._errors import ClosedError
 from ._layout import Layout
 from ._loopback import loopback_worker
 from ._receiver import Commit, CommitMode, OnUpdate
@@ -52,6 +54,7 @@ from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
 __all__ = ["DistributedWeightSyncScheme"]
 
 _DEFAULT: Any = ...
+T = TypeVar("T")
 
 
 class DistributedWeightSyncScheme:
@@ -184,6 +187,8 @@ class DistributedWeightSyncScheme:
         self._relay: Relay | None = None
         self._local: MultiProcessWeightSyncScheme | None = None
         self._worker: MultiProcessWeightSyncScheme | None = None  # init_on_receiver: the worker in this process
+        self._relay_loop: _RelayLoop | None = None  # init_on_receiver: where the relay runs
+        self._relay_closed = False
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -443,7 +448,15 @@ class DistributedWeightSyncScheme:
         Relay: join the trainer; return once the first weights reached the local workers.
         Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
         if self._worker is not None:
-            both = [asyncio.ensure_future(self.relay.connect(timeout=timeout)), asyncio.ensure_future(self._worker.connect(timeout=timeout))]
+            if self._relay_loop is None:
+                if self._relay_closed:
+                    raise ClosedError(f"host {self.relay.host}: the relay is closed")
+                self._relay_loop = _RelayLoop(self.relay.host)
+            relay_loop = self._relay_loop
+            both = [
+                asyncio.ensure_future(relay_loop.run(self.relay.connect(timeout=timeout))),
+                asyncio.ensure_future(self._worker.connect(timeout=timeout)),
+            ]
             try:
                 version, _ = await asyncio.gather(*both)
             except BaseException:
@@ -459,7 +472,13 @@ class DistributedWeightSyncScheme:
         Releases the rendezvous store too (the trainer's, when it hosts it, stops serving)."""
         if self._sender is not None:
             await self._sender.aclose()
+        elif self._relay_loop is not None:
+            relay_loop, self._relay_loop = self._relay_loop, None
+            self._relay_closed = True
+            await relay_loop.run(self.relay.aclose())
+            relay_loop.close()
         elif self._relay is not None:
+            self._relay_closed = True
             await self._relay.aclose()
         if self._worker is not None:
             await self._worker.aclose()
@@ -519,9 +538,45 @@ class DistributedWeightSyncScheme:
         if it died (the worker keeps its last complete weights)."""
         if self._worker is not None:
             await self._worker.wait_stopped()
+            error = self.relay.error
+            if error is not None:  # e.g. another relay replaced this rank's: its worker was stopped
+                raise error
             return
         await self.relay.wait_stopped()
 
 
 def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
     return scheme
+
+
+class _RelayLoop:
+    """The event loop of a rank's relay when the rank is itself the worker, in a daemon
+    thread: the worker's loop may block for a long synchronous step (rollouts, env steps)
+    while the relay keeps landing the newest weights (the worker commits them once its
+    loop turns again), answering the trainer and taking part in broadcasts, so a busy
+    worker never holds up the other hosts. The worker reaches its relay through the
+    local channel (a socket and shared memory), as a worker process would."""
+
+    def __init__(self, host: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=f"asyncsync-relay-{host}", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """*coro* on the relay's loop; cancelling the caller cancels it there."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def close(self) -> None:
+        """Stop the loop and join its thread (it has nothing left to run: instant)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()

@@ -101,6 +101,11 @@ class Relay:
         """Newest version landed on this host and published to its workers (-1: none)."""
         return self._published
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why this relay stopped, if not by the trainer's ``Stop`` (it died, or replaced this relay)."""
+        return self._error
+
     async def connect(self, timeout: float | None | object = ...) -> int:
         """Join the trainer, then wait until the first weights reached every local worker.
 
