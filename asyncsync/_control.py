@@ -129,6 +129,8 @@ class ControlStream:
                 self._read_task = None
                 raise BrokenChannelError(f"{self.peer} sent nothing for {timeout:.1f}s (no heartbeat)")
         self._read_task = None
+        if task.cancelled():  # the stream was closed meanwhile
+            raise BrokenChannelError(f"the connection to {self.peer} is closed")
         try:
             header, payload = task.result()
         except asyncio.IncompleteReadError as exc:

@@ -77,9 +77,9 @@ class DistributedWeightSyncScheme:
         silence_timeout: a peer that sent nothing, heartbeats included, for this long is
             gone (default: ``timeout``; ``None`` with ``timeout=None``: only EOF counts). A
             killed process is noticed at once anyway (its connection ends); this is for
-            partitions and hung hosts. Heartbeats come from the event loop: a trainer
-            whose loop is blocked (a long synchronous step) longer than this looks dead
-            to its relays, so keep it above your longest step.
+            partitions and hung hosts. Heartbeats come from a thread of each control
+            connection, not from the event loop: a loop blocked by a long synchronous
+            step does not look dead.
         backend: ``"gloo"`` (default: CPU memory on the wire) or ``"nccl"`` (CUDA memory on
             the wire: the trainer keeps its snapshots on its GPU and each relay receives
             through two ``chunk_bytes`` buffers on its GPU into the host's shared memory).

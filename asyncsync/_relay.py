@@ -109,9 +109,10 @@ class Relay:
     async def connect(self, timeout: float | None | object = ...) -> int:
         """Join the trainer, then wait until the first weights reached every local worker.
 
-        Every wait on the way (the rendezvous store, the trainer's control address, the
-        connection, the handshake, the first weights) is bounded by *timeout* together
-        and never blocks the loop; a timeout raises :class:`SyncTimeoutError` saying what
+        Joining (the rendezvous store, the trainer's control address, the connection,
+        the handshake) is bounded by *timeout* together, and so is then the wait for the
+        first weights (the trainer forms the group, the local workers start); nothing
+        blocks the loop; a timeout raises :class:`SyncTimeoutError` saying what
         it waited for, and ``connect()`` can be called again: it goes on from there."""
         if self._state == "closed":
             raise ClosedError(f"host {self.host}: the relay is closed")
@@ -125,6 +126,7 @@ class Relay:
                 await self._join(limit, deadline)
             finally:
                 self._joining = False
+            deadline = _deadline(limit)  # joined: the first weights have a timeout of their own
         if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", _remaining(deadline)):
             raise SyncTimeoutError(f"host {self.host} waiting for its first weights", {}, limit)
         if self._error is not None:
