@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._errors import BrokenChannelError, ProtocolError, SyncTimeoutError
+from ._errors import BrokenChannelError, ProtocolError, SyncTimeoutError, format_seconds
 from ._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
 
 __all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "off_loop", "resolve_token"]
@@ -127,7 +127,7 @@ class ControlStream:
             if not self._arrived():
                 task.cancel()
                 self._read_task = None
-                raise BrokenChannelError(f"{self.peer} sent nothing for {timeout:.1f}s (no heartbeat)")
+                raise BrokenChannelError(f"{self.peer} sent nothing for {format_seconds(timeout)} (no heartbeat)")
         self._read_task = None
         if task.cancelled():  # the stream was closed meanwhile
             raise BrokenChannelError(f"the connection to {self.peer} is closed")

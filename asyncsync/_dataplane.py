@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
-from ._errors import BrokenChannelError
+from ._errors import BrokenChannelError, format_seconds
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "SyncGroup"]
 
@@ -212,7 +212,7 @@ class SyncGroup:
         try:
             await asyncio.wait_for(fut, self.timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            return f"a transfer took more than {self.timeout}s"
+            return f"a transfer took more than {format_seconds(self.timeout)}"
         except RuntimeError as exc:
             return str(exc)
         return None

@@ -39,21 +39,20 @@ from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ._control import resolve_token
+from ._core._source import configured_source
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
 from ._errors import ClosedError
-from ._layout import Layout
 from ._loopback import loopback_worker
+from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
-from ._scheme import MultiProcessWeightSyncScheme, _lookup
-from ._sender import ModelRef, OnWorkerError
+from ._scheme import MultiProcessWeightSyncScheme
 from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
-from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
+from ._strategy import Strategy, resolve_model, to_flat
 
 __all__ = ["DistributedWeightSyncScheme"]
 
-_DEFAULT: Any = ...
 T = TypeVar("T")
 
 
@@ -129,24 +128,13 @@ class DistributedWeightSyncScheme:
         bind: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         heartbeat: float = 1.0,
-        silence_timeout: float | None | object = _DEFAULT,
+        silence_timeout: float | None | UseDefault = DEFAULT,
         backend: str = "gloo",
         device: str | torch.device | None = None,
     ) -> None:
-        # The local scheme checks the shared options (and relays use it as is).
-        self._options: dict[str, Any] = dict(
-            strategy=strategy,
-            sync=sync,
-            timeout=timeout,
-            commit=commit,
-            commit_mode=commit_mode,
-            on_worker_error=on_worker_error,
-            check_finite=check_finite,
-            transfer_dtype=transfer_dtype,
-        )
-        MultiProcessWeightSyncScheme(**self._options)
-        if strategy not in STRATEGIES:  # pragma: no cover - checked above
-            raise ValueError(strategy)
+        options = SchemeOptions(strategy, sync, timeout, commit, commit_mode, on_worker_error, check_finite, transfer_dtype)
+        self._scheme_options = options
+        self._options: dict[str, Any] = options.kwargs()  # each relay's local scheme gets the same
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -174,7 +162,7 @@ class DistributedWeightSyncScheme:
         self.bind = bind or self.master_addr
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
-        self.silence_timeout: float | None = timeout if silence_timeout is _DEFAULT else silence_timeout  # type: ignore[assignment]
+        self.silence_timeout = resolve_timeout(silence_timeout, timeout)
         if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
             raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
         self.backend = backend
@@ -247,13 +235,7 @@ class DistributedWeightSyncScheme:
         for every rank of the launch but this one."""
         if self._sender is not None or self._relay is not None:
             raise RuntimeError("this scheme is already initialised")
-        if weights is not None and model is not None:
-            raise ValueError("pass either weights or model, not both")
-        by_context = model is None and weights is None
-        if by_context:
-            model = resolve_model(context, model_id)
-            if model is None:
-                raise ValueError("nothing to send: pass model= or weights=, or a context with the model at context.<model_id>")
+        source, first = configured_source(model, weights, context, model_id, choices="model= or weights=")
         if hosts is None:
             if workers_per_host is None:
                 raise ValueError("pass hosts={host: num_workers} or workers_per_host=")
@@ -266,17 +248,7 @@ class DistributedWeightSyncScheme:
         for h, n in hosts.items():
             if not (isinstance(h, int) and h >= 0 and isinstance(n, int) and n >= 1):
                 raise ValueError(f"hosts maps host ids (ints >= 0) to worker counts (>= 1), got {h!r}: {n!r}")
-        source: Any = model if model is not None else weights
-        first = to_flat(source)
-        if not first:
-            raise ValueError("the weights hold no tensors")
-        source_layout = Layout.from_tensors(first)
-        dtype_map = {}
-        if self.transfer_dtype is not None:
-            dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
-        wire_layout = Layout.from_tensors(first, dtype_map)
-        if by_context:  # looked up at every send, as locally (and as torchrl does)
-            source = ModelRef(lambda: _lookup(context, model_id))
+        source_layout, wire_layout = self._scheme_options.layouts(first)
         store = self._open_store()
         self._sender = DistSender(
             hosts=hosts,
@@ -411,7 +383,7 @@ class DistributedWeightSyncScheme:
         """Worker: a staged version waits for :meth:`commit`."""
         return self.worker.update_pending
 
-    async def wait_for_version(self, version: int, *, timeout: float | None = _DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Worker: wait until the model runs *version* or newer."""
         return await self.worker.wait_for_version(version, timeout=timeout)
 
@@ -443,7 +415,7 @@ class DistributedWeightSyncScheme:
             return self._relay
         raise RuntimeError("call init_on_sender() or init_on_relay() first")
 
-    async def connect(self, timeout: float | None = _DEFAULT) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Trainer: send version 0 to every worker of every host and wait for every ack.
         Relay: join the trainer; return once the first weights reached the local workers.
         Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
@@ -511,13 +483,13 @@ class DistributedWeightSyncScheme:
         return self._side().version
 
     async def send(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send`; *worker_ids* are ``(host, local)`` pairs."""
         return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 
     async def send_async(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send_async`: returns once the snapshot is taken."""
         return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
@@ -528,7 +500,7 @@ class DistributedWeightSyncScheme:
         worker_ids: WorkerId | Iterable[WorkerId] | None = None,
         *,
         quorum: int | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
         """As :meth:`MultiProcessWeightSyncScheme.wait_async`."""
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)

@@ -393,7 +393,9 @@ class WorkerProcessError(AsyncSyncError):
 class SyncTimeoutError(AsyncSyncError, TimeoutError):
     """A wait for acknowledgements ran out of time.
 
-    ``pending`` maps each worker that did not answer to the last version it applied.
+    ``pending`` maps each worker that did not answer to the last version it applied;
+    ``never_connected`` holds those of them that never said hello (their receiver was
+    never connected), each with the pid of its process when the sender watches one.
 
     Example::
 
@@ -403,11 +405,69 @@ class SyncTimeoutError(AsyncSyncError, TimeoutError):
             await scheme.connect(timeout=0.1)  # no worker process was started
         except SyncTimeoutError as e:          # also a TimeoutError
             print(e.pending)                   # {0: -1, 1: -1}
+            print(e)                           # connect timed out after 0.1 s; no answer from worker 0 (at version -1), ...
         await scheme.aclose()
     """
 
-    def __init__(self, what: str, pending: Mapping[int, int], timeout: float | None) -> None:
+    def __init__(
+        self,
+        what: str,
+        pending: Mapping[int, int],
+        timeout: float | None,
+        *,
+        never_connected: Mapping[int, int | None] | None = None,
+    ) -> None:
+        self.what = what
         self.pending = dict(pending)
         self.timeout = timeout
+        self.never_connected = dict(never_connected or {})
         detail = ", ".join(f"worker {w} (at version {v})" for w, v in sorted(self.pending.items()))
-        super().__init__(f"{what} timed out after {timeout}s; no answer from {detail or 'nobody'}")
+        message = f"{what} timed out after {format_seconds(timeout)}; no answer from {detail or 'nobody'}"
+        super().__init__(message + _never_connected_hint(self.never_connected))
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild_timeout, (self.what, self.pending, self.timeout, self.never_connected))
+
+
+def _rebuild_timeout(what: str, pending: Mapping[int, int], timeout: float | None, never: Mapping[int, int | None]) -> SyncTimeoutError:
+    return SyncTimeoutError(what, pending, timeout, never_connected=never)
+
+
+def _never_connected_hint(never: Mapping[int, int | None]) -> str:
+    """What most likely went wrong with workers that never said hello."""
+    running = sorted((w, pid) for w, pid in never.items() if pid is not None)
+    unknown = sorted(w for w, pid in never.items() if pid is None)
+    out = ""
+    if running:
+        who = ", ".join(f"{w} (pid {pid})" for w, pid in running)
+        one = len(running) == 1
+        out += (
+            f". {_workers(len(running))} {who} {'is' if one else 'are'} running, but {'its receiver' if one else 'their receivers'} "
+            "never connected: unless still starting up, the worker lacks `async with scheme` (or "
+            "`await scheme.connect()`) after `init_on_receiver`"
+        )
+    if unknown:
+        who = ", ".join(map(str, unknown))
+        out += (
+            f". {_workers(len(unknown))} {who} never said hello: is a worker process running with this scheme, "
+            "and does it connect its receiver (`async with scheme`)?"
+        )
+    return out
+
+
+def _workers(n: int) -> str:
+    return "Worker" if n == 1 else "Workers"
+
+
+def format_seconds(seconds: float | None) -> str:
+    """A duration for messages: ``60.0 s``, ``0.05 s``; ``no limit`` for None.
+
+    Example::
+
+        print(format_seconds(59.99925428199958), format_seconds(0.05))   # 60.0 s 0.05 s
+    """
+    if seconds is None:
+        return "no limit"
+    if seconds >= 0.1 or seconds <= 0:
+        return f"{seconds:.1f} s"
+    return f"{seconds:.2g} s"

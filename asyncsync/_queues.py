@@ -43,7 +43,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-from ._errors import BrokenChannelError, ClosedError, WouldBlock
+from ._errors import BrokenChannelError, ClosedError, WouldBlock, format_seconds
 
 __all__ = ["AsyncQueue"]
 
@@ -481,7 +481,7 @@ class AsyncQueue(Generic[T]):
                 deadline = time.monotonic() + _FDS_TIMEOUT
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise BrokenChannelError(f"the {count} announced file descriptors did not arrive within {_FDS_TIMEOUT}s")
+                raise BrokenChannelError(f"the {count} announced file descriptors did not arrive within {format_seconds(_FDS_TIMEOUT)}")
             poller = select.poll()
             poller.register(self._fd, select.POLLIN)
             poller.poll(max(1, int(remaining * 1000)))

@@ -29,12 +29,13 @@ from torch import nn
 from ._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from ._faults import installed as _installed_faults
 from ._layout import Layout
+from ._options import DEFAULT, UseDefault, resolve_timeout
 from ._ownership import BufferRoles, Weights, debug_enabled
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
 from ._shm import Segment
 from ._signal import Signal
-from ._staging import Stager, copy_tensors
+from ._staging import Stager, copy_tensors, device_problem
 from ._stats import ReceiverStatistics
 from ._strategy import Strategy, as_user_weights, bind_targets
 
@@ -106,6 +107,7 @@ class Receiver:
         self._reads_slot = False
         self._slot_versions: list[int] = []
         self._device = torch.device("cpu")
+        self._inference = False  # the model holds inference tensors (built under inference_mode)
         self._stager: Stager | None = None
         self._updates = 0
         self._skipped = 0
@@ -149,36 +151,37 @@ class Receiver:
     def device(self) -> torch.device:
         return self._device
 
-    async def connect(self, timeout: float | None | object = ...) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Start the receiver task; return once the initial weights are applied."""
         if self._state != "new":
             raise RuntimeError("connect() was already called") if self._state != "closed" else ClosedError("the receiver is closed")
         self._state = "running"
         self._queue.put_bytes_nowait(encode(Hello(self.worker_idx, os.getpid())))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
-        limit = self.timeout if timeout is ... else timeout
+        limit = resolve_timeout(timeout, self.timeout)
         # Done once the first instruction is answered: applied, staged (manual mode), or
         # rejected (then the worker keeps its own weights and keeps running; the sender raises).
-        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):  # type: ignore[arg-type]
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
+        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)
         return self._version
 
-    async def wait_for_version(self, version: int, *, timeout: float | None | object = ...) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Wait until the model runs *version* or newer, or has it staged (manual mode);
         return the version the model runs."""
-        limit = self.timeout if timeout is ... else timeout
+        limit = resolve_timeout(timeout, self.timeout)
 
         def reached() -> bool:
             pending = self._pending
             staged = pending is not None and pending.version >= version
             return self._version >= version or staged or self._ended()
 
-        if not await self._changed.wait_until(reached, limit):  # type: ignore[arg-type]
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
+        if not await self._changed.wait_until(reached, limit):
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)
         return self._version
 
     def commit(self) -> int | None:
-        """Commit the staged version now (manual mode); return it, or None if none waits.
+        """Commit the staged version now (manual mode); return it, or None if none waits
+        (or it could not be applied: the model keeps its version and the sender is told why).
 
         Call it at a safe point (between env steps or batches). It does not await, so
         it is atomic with respect to everything else on the loop.
@@ -186,8 +189,7 @@ class Receiver:
         staged = self._roles.take_pending() if self._roles is not None else None
         if staged is None:
             return None
-        self._commit(staged)
-        return staged.version
+        return staged.version if self._commit(staged) else None
 
     async def wait_stopped(self) -> None:
         """Wait for the receiver task to end; raise :class:`SenderDiedError` if the sender died."""
@@ -358,26 +360,62 @@ class Receiver:
         device = self._device_override or (torch.device(msg.device) if msg.device else None)
         if device is None:
             device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        unusable = device_problem(device)
+        if unusable is not None:
+            self._layout_error = f"cannot place the model on {device}: {unusable}"
+            return
+        # A model built under torch.inference_mode() holds inference tensors: they are
+        # written only inside inference mode, and only by tensors that are inference tensors
+        # themselves (a plain tensor swapped in leaves a parameter no forward can use).
+        inference = any(t.is_inference() for t in targets.values())
         try:
             if any(t.device != device for t in targets.values()):
-                self.model.to(device)  # keeps Parameter identity; moves unsent buffers too
+                with torch.inference_mode(inference):
+                    self.model.to(device)  # keeps Parameter identity; moves unsent buffers too
+                targets, problems = bind_targets(self.model, msg.layout)  # ``to()`` replaces buffers
         except Exception as exc:  # e.g. a CUDA device this process cannot use
             self._layout_error = f"cannot place the model on {device}: {exc}"
             return
+        if problems:
+            self._layout_error = f"payload does not fit the model on {device}: " + "; ".join(problems[:16])
+            return
+        unwritable = _copy_problems(targets) if self.commit_kind == "copy" else []
+        if unwritable:  # refused before anything is written: a copy that fails half way tears the model
+            self._layout_error = (
+                "commit='copy' writes the model's tensors in place, and these cannot hold the sent values: "
+                + "; ".join(unwritable[:8])
+                + ". Give each its own memory (e.g. `.clone()`), or use commit='swap'"
+            )
+            return
         self._device = device
         self._targets = targets
+        self._inference = inference
         # The slot already holds the model's dtypes on the model's device (CPU): commit
         # straight from it, by pointer swap (zero copy) or by an in-place copy. Otherwise
-        # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype).
-        self._reads_slot = device.type == "cpu" and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
+        # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype), and
+        # so does a swap into inference tensors (slot views are not inference tensors).
+        self._reads_slot = (
+            device.type == "cpu"
+            and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
+            and not (inference and self.commit_kind == "swap")
+        )
         # Reading straight from slots, no private set is ever staged into: the model's own
         # initial tensors are freed at the first swap instead of being kept for reuse.
+        # (Nor can a set holding overlapping memory be staged into: the model's own, with
+        # commit="swap"; then every staging set is a fresh one.)
         live = Weights(self._version, {k: t.data for k, t in targets.items()})
-        self._roles = BufferRoles(live, self._allocate_set, keep_free=not self._reads_slot)
+        recyclable = not self._reads_slot and not _copy_problems(targets)
+        self._roles = BufferRoles(live, self._allocate_set, keep_free=recyclable)
 
     def _allocate_set(self) -> dict[str, torch.Tensor]:
-        """A private set of device buffers shaped like the model."""
-        return {k: torch.empty_like(t, device=self._device) for k, t in self._targets.items()}
+        """A private set of device buffers shaped like the model (inference tensors where
+        the model's are)."""
+        out = {k: torch.empty_like(t, device=self._device) for k, t in self._targets.items() if not t.is_inference()}
+        if len(out) < len(self._targets):
+            with torch.inference_mode():
+                out.update({k: torch.empty_like(t, device=self._device) for k, t in self._targets.items() if t.is_inference()})
+            out = {k: out[k] for k in self._targets}
+        return out
 
     def _get_stager(self) -> Stager:
         if self._stager is None:
@@ -399,15 +437,21 @@ class Receiver:
         t0 = time.perf_counter()
         staging = roles.begin_staging(msg.version)
         done = False
+        failure = ""
         try:
             stager = self._get_stager()
             keys = list(views)
             await stager.pin(seg.buf)
-            await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes)
+            await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes, inference=self._inference)
             done = True
+        except Exception as exc:  # only private buffers were written: the model is untouched
+            logger.error("worker %d: staging version %d failed", self.worker_idx, msg.version, exc_info=exc)
+            failure = f"staging failed: {type(exc).__name__}: {exc}"
         finally:
             staged = roles.end_staging(done)
-        assert staged is not None
+        if staged is None:
+            self._reject(msg, failure)
+            return
         staged.stage_s = time.perf_counter() - t0
         self._apply(staged, msg.skipped + skipped)
 
@@ -463,7 +507,9 @@ class Receiver:
             return f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}"
         return None
 
-    def _commit(self, staged: Weights) -> None:
+    def _commit(self, staged: Weights) -> bool:
+        """Make *staged* what the model runs, and acknowledge it; False if it could not be
+        (then the sender gets the reason)."""
         assert self._roles is not None
         roles = self._roles
         t0 = time.perf_counter()
@@ -471,14 +517,17 @@ class Receiver:
         # Versions recorded at the last commit stay valid while untouched: ``.data =`` keeps
         # each parameter's own version counter as it was.
         recorded = roles.live.slot is not None and self._check_untouched()
+        try:
+            if self._inference:
+                with torch.inference_mode():
+                    self._write(staged)
+            else:
+                self._write(staged)
+        except Exception as exc:
+            return self._commit_failed(staged, exc)
         if self.commit_kind == "swap":
-            tensors = staged.tensors
-            for key, t in targets.items():
-                t.data = tensors[key]  # ``.data`` is never recorded by autograd: no no_grad needed
             roles.committed(staged, consumed=None)
         else:
-            keys = list(targets)
-            copy_tensors([targets[k] for k in keys], [staged.tensors[k] for k in keys])
             roles.committed(Weights(staged.version, roles.live.tensors, None), consumed=staged)
         if debug_enabled():
             roles.check({k: t.data for k, t in targets.items()})
@@ -493,6 +542,56 @@ class Receiver:
         self._ack(Ack(self.worker_idx, staged.version, True, None, holds, staged.stage_s, self._commit_s))
         self._changed.notify()
         self._run_callbacks(staged.version)
+        return True
+
+    def _write(self, staged: Weights) -> None:
+        """Point the model's tensors at *staged* (swap) or copy *staged* into them; raise
+        :class:`_WriteFailed` naming the key where it failed."""
+        targets = self._targets
+        tensors = staged.tensors
+        if self.commit_kind == "swap":
+            done: list[torch.Tensor] = []
+            key = ""
+            try:
+                for key, t in targets.items():
+                    t.data = tensors[key]  # ``.data`` is never recorded by autograd: no no_grad needed
+                    done.append(t)
+            except Exception as exc:
+                live = self._roles.live.tensors  # type: ignore[union-attr]
+                for k, t in zip(targets, done):
+                    t.data = live[k]  # back to the version it ran: all or nothing
+                raise _WriteFailed(key, False) from exc
+            return
+        keys = list(targets)
+        try:
+            copy_tensors([targets[k] for k in keys], [tensors[k] for k in keys])
+        except Exception:
+            with torch.no_grad():
+                for i, key in enumerate(keys):  # the same copies again, one by one, to find the culprit
+                    try:
+                        targets[key].copy_(tensors[key])
+                    except Exception as exc:
+                        raise _WriteFailed(key, i > 0) from exc
+            # (every copy went through the second time: the commit is whole)
+
+    def _commit_failed(self, staged: Weights, exc: Exception) -> bool:
+        """A commit raised (what ``_on_setup`` checks makes this unexpected): refuse the version.
+
+        A swap is undone; a copy that already wrote some tensors cannot be: say so.
+        """
+        assert self._roles is not None
+        self._roles.committed(self._roles.live, consumed=staged)  # the staged set is freed
+        cause = exc.__cause__ if isinstance(exc, _WriteFailed) and exc.__cause__ is not None else exc
+        where = f" at {exc.key!r}" if isinstance(exc, _WriteFailed) else ""
+        error = f"commit={self.commit_kind!r} failed{where} ({type(cause).__name__}: {cause}); "
+        if isinstance(exc, _WriteFailed) and exc.torn:
+            error += f"the tensors before it already hold version {staged.version}, the others version {self._version}"
+        else:
+            error += f"the model keeps version {self._version}"
+        logger.error("worker %d: %s", self.worker_idx, error, exc_info=cause)
+        self._rejected += 1
+        self._ack(Ack(self.worker_idx, staged.version, False, error, self._roles.live.slot))
+        return False
 
     def _check_untouched(self) -> bool:
         """True if nothing wrote into the weights since the last commit; else say so (and False)."""
@@ -583,6 +682,26 @@ class Receiver:
             seg.close()  # a pending set still viewing a slot was copied above
         self._segments.clear()
         self._slot_views.clear()
+
+
+def _copy_problems(targets: dict[str, torch.Tensor]) -> list[str]:
+    """Why an in-place copy cannot write some of *targets* (one line each), before it writes any."""
+    out = []
+    for key, t in targets.items():
+        if t.layout != torch.strided:
+            out.append(f"{key!r} {tuple(t.shape)} has layout {t.layout}")
+        elif t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:  # 1: its elements overlap
+            out.append(f"{key!r} {tuple(t.shape)} has overlapping memory (strides {t.stride()}, as made by expand())")
+    return out
+
+
+class _WriteFailed(Exception):
+    """A commit failed writing *key*; *torn*: tensors before it were already written."""
+
+    def __init__(self, key: str, torn: bool) -> None:
+        super().__init__(key)
+        self.key = key
+        self.torn = torn
 
 
 def _check_segments(msg: MapSlots, fds: list[int]) -> None:

@@ -43,6 +43,7 @@ from ._errors import (
     WorkerDiedError,
     WorkerLeftError,
 )
+from ._options import DEFAULT, Timeout, resolve_timeout
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
 from ._sender import Sender, StillWriting
 from ._signal import Signal
@@ -106,7 +107,7 @@ class Relay:
         """Why this relay stopped, if not by the trainer's ``Stop`` (it died, or replaced this relay)."""
         return self._error
 
-    async def connect(self, timeout: float | None | object = ...) -> int:
+    async def connect(self, timeout: Timeout = DEFAULT) -> int:
         """Join the trainer, then wait until the first weights reached every local worker.
 
         Joining (the rendezvous store, the trainer's control address, the connection,
@@ -118,7 +119,7 @@ class Relay:
             raise ClosedError(f"host {self.host}: the relay is closed")
         if self._joining:
             raise RuntimeError("connect() is already running")
-        limit: float | None = self.timeout if timeout is ... else timeout  # type: ignore[assignment]
+        limit = resolve_timeout(timeout, self.timeout)
         deadline = _deadline(limit)
         if self._state == "new":
             self._joining = True

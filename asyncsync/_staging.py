@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Stager", "copy_tensors", "stream_done"]
+__all__ = ["Stager", "copy_tensors", "device_problem", "stream_done"]
 
 T = TypeVar("T")
 
@@ -66,6 +66,33 @@ def copy_tensors(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], non_b
         torch._C._set_grad_enabled(grad)
 
 
+def _copy_inference(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """:func:`copy_tensors` into inference tensors (inference mode is per thread)."""
+    with torch.inference_mode():
+        copy_tensors(dst, src)
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why this process cannot use *device* (a CUDA device it has not), or None."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available in this process"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return f"this process sees {count} CUDA device(s)"
+    elif device.type == "meta":
+        return "the meta device holds no data"
+    elif device.type != "cpu" and not _backend_available(device):
+        return f"the {device.type!r} backend is not available in this process"
+    return None
+
+
+def _backend_available(device: torch.device) -> bool:
+    module = getattr(torch, device.type, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if callable(is_available) else True
+
+
 async def stream_done(stream: Any) -> None:
     """Until the work queued so far on CUDA *stream* ran: an event polled from the loop,
     which never synchronizes a stream."""
@@ -84,12 +111,15 @@ class Stager:
         self._stream: torch.cuda.Stream | None = None
         self._registered: dict[int, int] = {}
 
-    async def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], nbytes: int) -> None:
-        """Copy *src* into *dst* off the event loop; returns once the data is in place."""
+    async def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], nbytes: int, *, inference: bool = False) -> None:
+        """Copy *src* into *dst* off the event loop; returns once the data is in place.
+
+        *inference*: *dst* holds inference tensors, written only inside ``torch.inference_mode()``.
+        """
         if self.device.type == "cuda":
-            await self._copy_cuda(dst, src)
+            await self._copy_cuda(dst, src, inference)
         else:
-            await self.run(nbytes, copy_tensors, dst, src)
+            await self.run(nbytes, _copy_inference if inference else copy_tensors, dst, src)
 
     async def run(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``: inline when small, in the staging thread when *nbytes* is large."""
@@ -129,13 +159,13 @@ class Stager:
             with torch.cuda.device(self.device):
                 cudart()[1](ptr)
 
-    async def _copy_cuda(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    async def _copy_cuda(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], inference: bool) -> None:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         stream = self._stream
         # The staging buffers may still be read by kernels queued on the compute stream.
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), torch.inference_mode(inference):
             copy_tensors(dst, src, non_blocking=True)
         await stream_done(stream)
 

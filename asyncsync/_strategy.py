@@ -7,12 +7,13 @@ flat mapping ``"layer.0.weight" -> tensor`` (parameters and buffers of the modul
 
 from __future__ import annotations
 
+import difflib
 import operator
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDictBase
 from torch import nn
 
 from ._errors import WeightsError
@@ -22,6 +23,13 @@ __all__ = ["KnownSource", "Strategy", "named_tensors", "to_flat", "validate", "b
 
 Strategy = Literal["tensordict", "state_dict"]
 STRATEGIES = ("tensordict", "state_dict")
+
+
+def _is_tensordict(weights: Any) -> bool:
+    # tensordict is imported where it is used (it takes seconds): weights cannot be one of its
+    # objects before it was imported.
+    td = sys.modules.get("tensordict")
+    return td is not None and isinstance(weights, td.TensorDictBase)
 
 
 def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -85,9 +93,10 @@ def to_flat(weights: Any, layout: Layout | None = None) -> dict[str, torch.Tenso
       canonical key is absent;
     * a key not in *layout* whose tensor is storage-identical to another key's (the
       second name of a tied tensor in a ``state_dict``);
-    * a TensorDict leaf not in *layout* that is not an ``nn.Parameter``: a
-      non-persistent buffer, which ``TensorDict.from_module`` lists and a
-      ``state_dict`` does not.
+    * a TensorDict leaf not in *layout* that is not an ``nn.Parameter``, when the
+      TensorDict gives every key of *layout*: a non-persistent buffer, which
+      ``TensorDict.from_module`` lists and a ``state_dict`` does not. (In a TensorDict
+      that gives fewer keys, an unknown key is kept, for :func:`validate` to name.)
 
     A module provides any key of *layout* it has under any name, non-persistent
     buffers included. The usual case (the weights list exactly the layout's keys)
@@ -105,7 +114,7 @@ def to_flat(weights: Any, layout: Layout | None = None) -> dict[str, torch.Tenso
         if not flat:
             raise WeightsError(f"{type(weights).__name__} has no parameters or buffers to send")
         return _module_for_layout(weights, flat, layout)
-    if isinstance(weights, TensorDictBase):
+    if _is_tensordict(weights):
         flat_td = weights.flatten_keys(".")
         out: dict[str, torch.Tensor] = {}
         for key in flat_td.keys(include_nested=True, leaves_only=True):
@@ -162,6 +171,10 @@ def _fit_mapping(flat: dict[str, torch.Tensor], layout: Layout, is_tensordict: b
             kept[canonical] = t  # only the alias was given
     extra: dict[str, torch.Tensor] = {}
     if rest:
+        # Only a TensorDict that gives every key of the layout is read from a whole module
+        # (``TensorDict.from_module``): its other non-Parameter leaves are non-persistent
+        # buffers. In any other TensorDict an unknown key is a mistake: validate names it.
+        whole = len(kept) == len(index)
         by_storage: set[tuple[object, ...]] = set()
         for t in kept.values():
             sk = _storage_key(t) if isinstance(t, torch.Tensor) else None
@@ -175,7 +188,7 @@ def _fit_mapping(flat: dict[str, torch.Tensor], layout: Layout, is_tensordict: b
                     if sk in by_storage:
                         continue  # another name of a tensor given under an earlier key
                     by_storage.add(sk)
-                if is_tensordict and not isinstance(t, nn.Parameter):
+                if is_tensordict and whole and not isinstance(t, nn.Parameter):
                     continue  # a non-persistent buffer (TensorDict.from_module lists them)
             extra[key] = t  # validate reports it
     out = {k: kept[k] for k in layout.keys if k in kept}
@@ -270,7 +283,13 @@ def _raise_misfit(flat: Mapping[str, torch.Tensor], layout: Layout, partial: boo
     extra = [k for k in flat if k not in expected]
     problems: list[str] = []
     if extra:
-        problems.append("unexpected keys " + ", ".join(_with_shape(k, flat[k]) for k in extra[:8]) + (" ..." if len(extra) > 8 else ""))
+        close = sorted({m for k in extra[:8] for m in difflib.get_close_matches(k, list(expected), n=1)})
+        problems.append(
+            "unexpected keys " + ", ".join(_with_shape(k, flat[k]) for k in extra[:8]) + (" ..." if len(extra) > 8 else "")
+            + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+        )
+        if partial or not missing:  # else the missing keys below name what is expected
+            problems.append(f"the model's keys are {_abbreviated(list(expected))}")
     if missing and not partial:
         problems.append(
             "missing keys "
@@ -293,6 +312,12 @@ def _raise_misfit(flat: Mapping[str, torch.Tensor], layout: Layout, partial: boo
         if t.dtype != spec.dtype:
             problems.append(f"{key!r} has dtype {t.dtype}, expected {spec.dtype}")
     raise WeightsError(f"{who} do not fit the model: " + "; ".join(problems or ["unknown mismatch"]))
+
+
+def _abbreviated(keys: list[str], limit: int = 8) -> str:
+    """``'a', 'b', ... (12 keys)``: the first *limit* keys, and how many there are."""
+    shown = ", ".join(map(repr, keys[:limit]))
+    return shown if len(keys) <= limit else f"{shown}, ... ({len(keys)} keys)"
 
 
 def _with_shape(key: str, t: Any) -> str:

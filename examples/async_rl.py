@@ -43,7 +43,7 @@ Run:
 
 Writes ``DIR/summary.json`` (time to the target, env steps/s, weight-sync latency p50/p99,
 dropped rollouts, final mean return, greedy evaluation, seed, settings, the learning curve)
-and ``DIR/learning_curve.png`` (needs matplotlib; ``pip install -e '.[examples]'``).
+and ``DIR/learning_curve.png`` (needs matplotlib; ``pip install torch==2.13.0 -e '.[examples]'``).
 """
 
 from __future__ import annotations
@@ -526,17 +526,20 @@ def plot_runs(summaries: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    colors = {"async": "tab:blue", "sync": "tab:orange"}
-    labelled: set[str] = set()
-    for s in summaries:
-        if not s["curve"]:
-            continue
-        wall, steps, _, mean = (np.asarray(c) for c in zip(*s["curve"]))
+    # one colour family per mode, one shade and line style per run of that mode
+    cmaps = {"async": plt.get_cmap("Blues"), "sync": plt.get_cmap("Oranges")}
+    styles = ["-", "--", "-.", ":"]
+    runs = [s for s in summaries if s["curve"]]
+    for s in runs:
         mode = s["mode"]
-        label = None if mode in labelled else f"{mode} ({'send_async' if mode == 'async' else 'send'})"
-        labelled.add(mode)
-        ax_t.plot(wall, mean, color=colors[mode], alpha=0.85, label=label)
-        ax_s.plot(steps, mean, color=colors[mode], alpha=0.85)
+        same_mode = [r for r in runs if r["mode"] == mode]
+        k = same_mode.index(s)
+        color = cmaps[mode](0.9 - 0.5 * k / max(len(same_mode) - 1, 1))
+        style = styles[k % len(styles)]
+        wall, steps, _, mean = (np.asarray(c) for c in zip(*s["curve"]))
+        label = f"{mode} ({'send_async' if mode == 'async' else 'send'}), seed {s['seed']}"
+        ax_t.plot(wall, mean, color=color, ls=style, alpha=0.9, label=label)
+        ax_s.plot(steps, mean, color=color, ls=style, alpha=0.9)
     for ax in (ax_t, ax_s):
         ax.axhline(summaries[0]["target"], color="grey", ls="--", lw=1, label=f"target {summaries[0]['target']:g}" if ax is ax_t else None)
         ax.grid(alpha=0.3)
@@ -596,7 +599,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.plot_runs:
         summaries = [json.loads((d / "summary.json").read_text()) for d in args.plot_runs]
-        plot_runs(summaries, args.plot or Path("async_rl.png"))
+        path = args.plot or Path("async_rl.png")
+        plot_runs(summaries, path)
+        runs = ", ".join(f"{s['mode']} seed {s['seed']}" for s in summaries)
+        print(f"wrote {path}: {len(summaries)} runs ({runs})")
         return {}
     summary = asyncio.run(train(args))
     args.out.mkdir(parents=True, exist_ok=True)

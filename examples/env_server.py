@@ -97,11 +97,16 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=25_000_000)
-    parser.add_argument("--envs", type=int, default=8)
-    parser.add_argument("--updates", type=int, default=10)
-    parser.add_argument("--commit", choices=["swap", "copy"], default="swap")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--params", type=int, default=25_000_000, help="float32 parameters of the policy (25M: 100 MB)")
+    parser.add_argument("--envs", type=int, default=8, help="environments the server steps concurrently, each an asyncio task")
+    parser.add_argument("--updates", type=int, default=10, help="weight versions the trainer pushes, one every ~100 ms")
+    parser.add_argument(
+        "--commit",
+        choices=["swap", "copy"],
+        default="swap",
+        help="how the server applies new weights: swap (point the parameters at shared memory) or copy (into the parameters, on its loop)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     policy = Policy(args.params)

@@ -165,7 +165,7 @@ async def test_a_relay_that_gives_up_on_a_silent_trainer_ends_the_connection_and
     relay, worker, _ = _relay(_common(port, silence_timeout=0.5))
     try:
         await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
-        with pytest.raises(SenderDiedError, match="host 1: the trainer is gone .*sent nothing for 0.5s"):
+        with pytest.raises(SenderDiedError, match="host 1: the trainer is gone .*sent nothing for 0.5 s"):
             await relay.wait_stopped()
         await trainer.sender.wait_lost(1, timeout=20)
         with pytest.raises(HostLostError, match="host 1 .* is lost") as info:

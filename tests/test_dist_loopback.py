@@ -433,7 +433,7 @@ async def test_a_silent_relay_is_declared_lost() -> None:
         assert isinstance(setup, Setup) and setup.layout == trainer.sender.layout
         await trainer.sender.wait_lost(1, timeout=30)  # ...and now it says nothing
         host = trainer.statistics().host(1)
-        assert host.state == "dead" and "sent nothing for 1.0s (no heartbeat)" in str(host.reason)
+        assert host.state == "dead" and "sent nothing for 1.0 s (no heartbeat)" in str(host.reason)
     finally:
         writer.close()
         await trainer.aclose()

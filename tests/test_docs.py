@@ -378,3 +378,153 @@ def test_reference_lists_every_public_name() -> None:
     assert sorted(listed) == sorted(asyncsync.__all__), (
         "docs/reference.md needs one `::: asyncsync.Name` per name of asyncsync.__all__"
     )
+
+
+# ---------------------------------------------------------------- the error tree
+
+_TREE_LINE = re.compile(r"^(?P<prefix>(?:│   |    )*)(?P<branch>[├└]── )?(?P<name>[A-Z]\w*)\b(?P<rest>.*)$")
+
+
+def drawn_tree(text: str) -> list[tuple[str, str | None, str]]:
+    """``(class, drawn parent, the rest of the line)`` for every line of the first error tree
+    drawn in *text* (a root line ``AsyncSyncError`` followed by ``├──`` lines)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "AsyncSyncError")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    entries: list[tuple[str, str | None, str]] = []
+    stack: list[str] = []
+    for line in lines[start:]:
+        m = _TREE_LINE.match(line[indent:]) if not line[:indent].strip() else None
+        if m is None or (entries and not m.group("branch")):
+            break
+        depth = len(m.group("prefix")) // 4 + (1 if m.group("branch") else 0)
+        del stack[depth:]
+        entries.append((m.group("name"), stack[-1] if stack else None, m.group("rest")))
+        stack.append(m.group("name"))
+    return entries
+
+
+def error_classes() -> list[tuple[str, str | None]]:
+    """``(class, asyncsync parent)`` for AsyncSyncError and every public asyncsync subclass."""
+    found: list[tuple[str, str | None]] = [("AsyncSyncError", None)]
+
+    def walk(cls: type) -> None:
+        for sub in cls.__subclasses__():
+            if sub.__module__.startswith("asyncsync") and not sub.__name__.startswith("_"):
+                found.append((sub.__name__, cls.__name__))
+                walk(sub)
+
+    walk(asyncsync.AsyncSyncError)
+    return found
+
+
+def test_error_tree_is_drawn_once_in_the_docs() -> None:
+    drawn = [p.name for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if "├── " in p.read_text()]
+    assert drawn == ["reference.md"], f"the error tree belongs in docs/reference.md only, found in {drawn}"
+
+
+@pytest.mark.parametrize("where", ["docs/reference.md", "the errors module's docstring"])
+def test_drawn_error_tree_matches_the_classes(where: str) -> None:
+    if where.endswith(".md"):
+        text = (ROOT / where).read_text()
+    else:
+        text = sys.modules[asyncsync.AsyncSyncError.__module__].__doc__ or ""
+        if "AsyncSyncError\n" not in text:
+            pytest.skip("the errors module's docstring draws no tree (docs/reference.md's is checked)")
+    entries = drawn_tree(text)
+    assert sorted((name, parent) for name, parent, _ in entries) == sorted(error_classes()), (
+        f"the error tree in {where} differs from the classes' hierarchy"
+    )
+    for name, _, rest in entries:
+        cls = getattr(asyncsync, name)
+        assert name in asyncsync.__all__
+        for also in re.findall(r"also `{0,2}(\w+)", rest):
+            assert issubclass(cls, getattr(builtins, also)), f"{where}: {name} is drawn as also {also}"
+
+
+def test_drawn_tree_parser() -> None:
+    text = "x\n\n    AsyncSyncError\n    ├── A    a\n    │   └── B    b (also ValueError)\n    └── C\n\nmore\n"
+    assert drawn_tree(text) == [
+        ("AsyncSyncError", None, ""),
+        ("A", "AsyncSyncError", "    a"),
+        ("B", "A", "    b (also ValueError)"),
+        ("C", "AsyncSyncError", ""),
+    ]
+
+
+# ---------------------------------------------------------------- written for users
+
+USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.py"))]
+
+
+def test_every_install_command_pins_torch() -> None:
+    """An unpinned ``pip install`` of the project pulls torch's multi-GB CUDA build."""
+    unpinned = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in USER_DOCS
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"pip install\b[^`\n]*?(-e\s+['\"]?[.\w/]|\btorch\b|\btorchrl\b)", line) and "torch==" not in line
+    ]
+    assert not unpinned, "pin torch==2.13.0 in: " + "; ".join(unpinned)
+
+
+def test_docs_hold_no_project_history_or_machine_paths() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bissue\s*#?\d+|\bthis session\b|/work/|/home/\w", line, re.IGNORECASE)
+    ]
+    assert not found, "docs speak to users (history goes to CHANGELOG.md): " + "; ".join(found)
+
+
+# ---------------------------------------------------------------- docs/testing.md as a new project
+
+_TESTING_FILE = re.compile(r"\A# (?P<path>tests/test_\w+\.py)\b")
+_TOML_FENCE = re.compile(r"^```toml[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def reader_project() -> dict[str, str]:
+    """``{relative path: text}``: docs/testing.md's ``pyproject.toml`` snippet and its test
+    files (the blocks that start with a ``# tests/test_x.py`` line), as a new project has them."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    files = {"pyproject.toml": "".join(m.group("code") for m in _TOML_FENCE.finditer(text))}
+    for where, code in BLOCKS:
+        if where.startswith("docs/testing.md:") and "def test_" in code:
+            m = _TESTING_FILE.match(code)
+            assert m, f"{where}: a test file of testing.md starts with a `# tests/test_x.py` line"
+            files[m.group("path")] = code
+    return files
+
+
+def test_testing_md_is_a_project() -> None:
+    files = reader_project()
+    assert 'asyncio_mode = "auto"' in files["pyproject.toml"]
+    assert {"tests/test_loop.py", "tests/test_worker.py", "tests/test_rollouts.py"} <= files.keys()
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT + 60)
+def test_testing_md_snippets_pass_in_a_new_project(tmp_path: Path) -> None:
+    """The reader's view: a project holding only testing.md's pyproject.toml and test files,
+    asyncsync installed; ``python -m pytest`` there passes every test."""
+    files = reader_project()
+    for rel, code in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(code)
+    expected = sum(len(re.findall(r"^async def test_|^def test_", code, re.MULTILINE)) for code in files.values())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # no empty entry: the project's folder is no package
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=SCRIPT_TIMEOUT + 30)
+    except subprocess.TimeoutExpired:
+        Scripts._kill(proc)  # type: ignore[arg-type]
+        out, _ = proc.communicate()
+    report = out.decode(errors="replace")
+    assert proc.returncode == 0 and re.search(rf"\b{expected} passed\b", report), report

@@ -1,0 +1,139 @@
+"""Mistakes a user makes, and the errors that say what to do (loopback: no processes).
+
+A wrong key is named before anything is sent; a device the worker cannot use fails at
+``init_on_receiver``; a scheme unpickled twice says so quietly; a wait that times out
+prints its duration rounded and, for a worker that never connected, says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import re
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
+from asyncsync.testing import open_loopback, open_loopback_hosts
+from tests._targets import fill_, make_model
+
+KEYS = ["'0.weight'", "'0.bias'", "'2.weight'", "'2.bias'"]
+
+
+def _wrong_key(kind: str) -> Any:
+    if kind == "tensordict":
+        return TensorDict({"nonexistent": torch.zeros(3)}, [])
+    return {"nonexistent": torch.zeros(3)}
+
+
+@pytest.mark.parametrize("strategy", ["tensordict", "state_dict"])
+@pytest.mark.parametrize("sent", ["tensordict", "dict"])
+@pytest.mark.parametrize("partial", [False, True])
+async def test_an_unknown_key_is_named_before_anything_is_sent(strategy: str, sent: str, partial: bool) -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(strategy=strategy, timeout=10)  # type: ignore[arg-type]
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, make_model) as lb:
+        fill_(trainer, 2.0)
+        with pytest.raises(WeightsError) as info:
+            await scheme.send(_wrong_key(sent), partial=partial)
+        message = str(info.value)
+        assert "unexpected keys 'nonexistent' (3,)" in message
+        assert "hold no tensors" not in message
+        assert all(k in message for k in KEYS)  # what was expected (the missing keys, or the model's keys)
+        assert scheme.version == 0 and lb.workers[0].version == 0  # nothing was sent
+        assert not any(bool((p == 2.0).all()) for p in lb.models[0].parameters())
+        await scheme.send()  # the scheme goes on
+        assert lb.workers[0].version == 1
+
+
+async def test_a_misspelt_key_in_a_partial_tensordict_is_not_dropped() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    async with open_loopback(scheme, make_model):
+        td = TensorDict({"0.weight": torch.zeros(16, 4), "2.wieght": torch.zeros(3, 16)}, [])
+        with pytest.raises(WeightsError, match=re.escape("unexpected keys '2.wieght' (3, 16) (did you mean '2.weight'?)")):
+            await scheme.send(td, partial=True)
+        assert scheme.version == 0
+
+
+async def test_the_expected_keys_are_abbreviated() -> None:
+    wide = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=wide, num_workers=1)
+    async with open_loopback(scheme, lambda: nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])):
+        with pytest.raises(WeightsError, match=re.escape("'3.bias', ... (20 keys)")):
+            await scheme.send({"nonexistent": torch.zeros(3)}, partial=True)
+
+
+async def test_a_whole_module_tensordict_still_drops_its_non_persistent_buffers() -> None:
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
+
+    trainer = Rotary()
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(weights=trainer.state_dict(), num_workers=1)
+    async with open_loopback(scheme, Rotary) as lb:
+        with torch.no_grad():
+            trainer.lin.weight.fill_(3.0)
+        await scheme.send(TensorDict.from_module(trainer).data)  # leaves are plain tensors here
+        assert bool((lb.models[0].lin.weight == 3.0).all())
+        with pytest.raises(WeightsError, match="unexpected keys 'inv_freq'"):
+            await scheme.send(TensorDict({"inv_freq": torch.arange(2.0)}, []), partial=True)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+async def test_an_unknown_key_is_named_by_the_multi_host_trainer(partial: bool) -> None:
+    async with open_loopback_hosts(make_model(), make_model, timeout=10) as lh:
+        with pytest.raises(WeightsError, match=re.escape("unexpected keys 'nonexistent' (3,)")) as info:
+            await lh.trainer.send(_wrong_key("tensordict"), partial=partial)
+        assert all(k in str(info.value) for k in KEYS)
+        assert lh.trainer.version == 0 and lh.workers[1, 0].version == 0
+
+
+async def test_a_scheme_unpickled_twice_is_refused_quietly(capfd: pytest.CaptureFixture[str]) -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    data = pickle.dumps(scheme)
+    first = pickle.loads(data)
+    for _ in range(2):  # the sharer thread answers in order: after the second refusal, the first is done
+        with pytest.raises(RuntimeError, match="can be unpickled once"):
+            pickle.loads(data)
+    first.init_on_receiver(worker_idx=0, model=make_model())  # the first copy works
+    await asyncio.gather(scheme.connect(), first.connect())
+    await scheme.aclose()
+    await first.aclose()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "KeyError" not in err, err
+
+
+async def test_a_timeout_prints_its_duration_rounded_and_names_workers_that_never_said_hello() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=2)
+    with pytest.raises(SyncTimeoutError) as info:
+        await scheme.connect(timeout=0.05)  # no worker was started
+    message = str(info.value)
+    assert message.startswith("connect timed out after 0.05 s; no answer from worker 0 (at version -1), worker 1 (at version -1)")
+    assert "Workers 0, 1 never said hello" in message and "async with scheme" in message
+    assert info.value.never_connected == {0: None, 1: None}  # no process is watched for them
+    back = pickle.loads(pickle.dumps(info.value))
+    assert str(back) == message and back.pending == info.value.pending
+    await scheme.aclose()
+
+
+async def test_a_worker_that_said_hello_gets_no_hint() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    async with open_loopback(scheme, make_model) as lb:
+        async with lb.faults.delay_acks(0):
+            with pytest.raises(SyncTimeoutError) as info:
+                await scheme.send(timeout=0.2)
+        assert re.search(r"timed out after \d+\.\d+ s; no answer from worker 0 \(at version 0\)$", str(info.value)), str(info.value)
+        assert info.value.never_connected == {} and "hello" not in str(info.value)

@@ -1,0 +1,41 @@
+"""A worker process that never connects its receiver: the trainer's timeout says so (processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+
+from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, spawn_workers
+from tests._targets import make_model
+
+
+async def unconnected_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, done: Any) -> None:
+    """The newcomer's mistake: serve without ``async with scheme`` (until the test is done)."""
+    scheme.init_on_receiver(worker_idx=worker_idx, model=make_model())
+    await asyncio.to_thread(done.wait, 60)
+
+
+@pytest.mark.timeout(240)  # a spawned worker imports torch: slow on a loaded machine
+async def test_a_worker_that_never_connects_its_receiver_is_named_with_the_fix() -> None:
+    done = mp.get_context("spawn").Event()
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    try:
+        async with spawn_workers(unconnected_worker, 1, args=(scheme, done), scheme=scheme, join_timeout=120) as workers:
+            try:
+                with pytest.raises(SyncTimeoutError) as info:
+                    await scheme.connect(timeout=1.0)  # never answered, however fast the machine
+            finally:
+                done.set()
+            pid = workers.processes[0].aio_process.pid  # type: ignore[attr-defined]
+    finally:
+        await scheme.aclose()
+    message = str(info.value)
+    assert message.startswith("connect timed out after 1.0 s; no answer from worker 0 (at version -1)"), message
+    assert "is running, but its receiver never connected" in message, message
+    assert "the worker lacks `async with scheme` (or `await scheme.connect()`) after `init_on_receiver`" in message, message
+    (pid_seen,) = info.value.never_connected.values()
+    assert pid_seen == pid and f"worker 0 (pid {pid})" in message.lower()
