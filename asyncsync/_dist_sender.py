@@ -109,6 +109,7 @@ class _Host:
         # (a partial update travels as a delta only to workers that hold its base).
         self.landed: dict[int, set[int]] = {}
         self.tasks: list[asyncio.Task[None]] = []
+        self.busy = False  # a transfer to this host is in flight
 
 
 class DistSender(SenderCore[WorkerId, _RemoteWorker]):
@@ -161,6 +162,10 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
         self._generation = 0
         self._regroup = True
         self._tag = 0
+        self._transfers: set[asyncio.Task[None]] = set()  # in flight, at most one per host
+        self._last_send_version = -1
+        self._last_send_parts: dict[tuple[int, ...], int] = {}
+        self._streams: set[ControlStream] = set()  # every control connection not yet closed
         self.address: tuple[str, int] | None = None
 
     # ----------------------------------------------------------------- public API
@@ -316,9 +321,10 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
             self._tasks = []
             for h in self._hosts.values():
                 h.tasks = []
-                if h.stream is not None:
-                    await h.stream.aclose()
-                    h.stream = None
+                h.stream = None
+            streams, self._streams = list(self._streams), set()
+            for stream in streams:  # (those of lost hosts are closed already: their threads end)
+                await stream.aclose()
             if self._server is not None:
                 await self._server.wait_closed()
                 self._server = None
@@ -399,23 +405,73 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
     # ----------------------------------------------------------------- the pump
 
     async def _pump(self) -> None:
-        """Form the group when membership changed, then move pending versions to hosts."""
-        while self._state == "running":
-            await self._changed.wait_until(lambda: self._state != "running" or self._work_to_do(), None)
-            if self._state != "running":
-                return
-            if self._regroup:
-                await self._form_group()
-                continue
-            await self._transfer_next()
+        """Form the group when membership changed; else start a transfer for every idle
+        host with something pending. One transfer is in flight per host at most: a busy
+        host (still landing, or its relay not answering) is left out, and gets its
+        workers' newest version once it is done (latest wins), never holding up the others."""
+        try:
+            while self._state == "running":
+                await self._changed.wait_until(lambda: self._state != "running" or self._work_to_do(), None)
+                if self._state != "running":
+                    return
+                if self._regroup:
+                    await self._end_transfers()
+                    await self._form_group()
+                    continue
+                self._start_transfers()
+        finally:
+            await self._end_transfers()
 
     def _connected(self) -> list[int]:
         return [h.idx for h in self._hosts.values() if h.state == "connected"]
 
+    def _idle(self) -> list[int]:
+        """Members with a version pending and no transfer in flight."""
+        return [h for h in self._members if self._hosts[h].pending and self._hosts[h].state == "connected" and not self._hosts[h].busy]
+
     def _work_to_do(self) -> bool:
         if self._regroup:
-            return bool(self._connected()) or bool(self._members)
-        return any(self._hosts[h].pending and self._hosts[h].state == "connected" for h in self._members)
+            return bool(self._connected()) or bool(self._members) or bool(self._transfers)
+        return bool(self._idle())
+
+    def _start_transfers(self) -> None:
+        idle = self._idle()
+        if not idle:
+            return
+        loop = asyncio.get_running_loop()
+        if len(idle) == len(self._members) and not self._transfers:
+            # Everybody idle and waiting for the same version: one broadcast.
+            key = min(k for h in idle for k in self._hosts[h].pending)
+            if all(key in self._hosts[h].pending for h in idle):
+                self._spawn(loop, idle, key)
+                return
+        for h in idle:
+            self._spawn(loop, [h], min(self._hosts[h].pending))
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, hosts: list[int], key: tuple[int, int]) -> None:
+        for h in hosts:
+            self._hosts[h].busy = True
+        task = loop.create_task(self._transfer(hosts, key), name=f"asyncsync-dist-transfer-{key[0]}-{hosts}")
+        self._transfers.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._transfers.discard(t)
+            for h in hosts:
+                self._hosts[h].busy = False
+            if not t.cancelled() and t.exception() is not None:
+                logger.error("asyncsync: transfer of version %d to hosts %s failed", key[0], hosts, exc_info=t.exception())
+            self._changed.notify()
+
+        task.add_done_callback(done)
+
+    async def _end_transfers(self) -> None:
+        """Give up every transfer in flight (before the group re-forms); each one's buffer
+        stays held until the backend is done with it."""
+        tasks = list(self._transfers)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _form_group(self) -> None:
         self._regroup = False
@@ -473,12 +529,11 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
     def _group_timeout(self) -> float:
         return self.timeout if self.timeout is not None else 300.0
 
-    async def _transfer_next(self) -> None:
-        """Move the oldest pending version: a broadcast if every member waits for it."""
+    async def _transfer(self, hosts: list[int], key: tuple[int, int]) -> None:
+        """Move pending *key* to *hosts*: a broadcast if they are every member, else
+        point-to-point (one host, its own tags)."""
         group = self._group
         assert group is not None
-        key = min(k for h in self._members for k in self._hosts[h].pending if self._hosts[h].state == "connected")
-        hosts = [h for h in self._members if key in self._hosts[h].pending and self._hosts[h].state == "connected"]
         buf = self._hosts[hosts[0]].pending[key][0]
         version = key[0]
         p2p = set(hosts) != set(self._members)
@@ -507,8 +562,16 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
             copies = 1
         else:
             copies = max(1, (len(self._members) + 1 - 1).bit_length())
-        self._last_send_bytes = (sum(n for _, n in ranges) if delta else self._layout.nbytes) * copies
-        self._bytes_sent += self._last_send_bytes
+        moved = (sum(n for _, n in ranges) if delta else self._layout.nbytes) * copies
+        self._bytes_sent += moved
+        # A version may travel in several transfers (one per host when they are not all
+        # idle): last_send_bytes adds up those of the newest version transferred, the
+        # last one to each set of hosts (a repeat after a regroup replaces the first).
+        if version > self._last_send_version:
+            self._last_send_version, self._last_send_parts = version, {}
+        if version == self._last_send_version:
+            self._last_send_parts[tuple(hosts)] = moved
+            self._last_send_bytes = sum(self._last_send_parts.values())
 
         def release() -> None:
             buf.transfers -= 1
@@ -528,7 +591,8 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
                 await group.broadcast(data, 0, release)
             return True
 
-        connections = {h: self._hosts[h].connections for h in self._members}
+        # A broadcast needs every member; a point-to-point transfer only its host.
+        connections = {h: self._hosts[h].connections for h in (hosts if p2p else self._members)}
 
         def member_lost() -> bool:  # (a host that connected again was lost in between, too)
             return self._state != "running" or any(
@@ -568,6 +632,7 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
         addr = writer.get_extra_info("peername")
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
         stream = ControlStream(reader, writer, f"relay at {peer}")
+        self._streams.add(stream)
         try:
             host = await asyncio.wait_for(self._handshake(stream), 10.0)
         except (ProtocolError, AuthenticationError, BrokenChannelError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
@@ -582,9 +647,18 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
             return
         h = self._hosts[host.host]
         if h.stream is not None:
+            # The newest connection wins (a restarted host may come back before its old
+            # connection is noticed dead); the old relay is told why it is dropped.
             old = h.stream
             self._lose(h, "it connected again (the old connection is dropped)", state="dead")
-            old.close()
+            try:
+                old.send(Bye(h.idx, -1, f"replaced by another relay for host {h.idx} (pid {host.pid} at {peer})"))
+            except BrokenChannelError:
+                pass
+            await old.aclose()
+            if self._state != "running" or h.stream is not None:
+                await stream.aclose()
+                return
         stream.limit = FRAME_LIMIT
         h.stream = stream
         h.state = "connected"
@@ -605,7 +679,8 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
         for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
             t.cancel()
         h.tasks = [t for t in h.tasks if not t.done()]
-        h.tasks += [loop.create_task(self._read_loop(h, stream)), loop.create_task(stream.heartbeat(self.heartbeat))]
+        h.tasks.append(loop.create_task(self._read_loop(h, stream)))
+        stream.start_heartbeat(self.heartbeat)
         self._regroup = True
         logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
         self._changed.notify()
@@ -652,6 +727,8 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
                 self._lose(h, str(exc))
         finally:
             stream.close()
+            await stream.wait_closed()
+            self._streams.discard(stream)
 
     def _on_ack(self, h: _Host, ack: Ack) -> None:
         w = h.workers.get(ack.worker_idx)

@@ -29,9 +29,10 @@ import asyncio
 import datetime
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Coroutine, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ from ._control import resolve_token
 from ._core._source import configured_source
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
+from ._errors import ClosedError
 from ._loopback import loopback_worker
 from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from ._receiver import Commit, CommitMode, OnUpdate
@@ -50,6 +52,8 @@ from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
 from ._strategy import Strategy, resolve_model, to_flat
 
 __all__ = ["DistributedWeightSyncScheme"]
+
+T = TypeVar("T")
 
 
 class DistributedWeightSyncScheme:
@@ -72,9 +76,9 @@ class DistributedWeightSyncScheme:
         silence_timeout: a peer that sent nothing, heartbeats included, for this long is
             gone (default: ``timeout``; ``None`` with ``timeout=None``: only EOF counts). A
             killed process is noticed at once anyway (its connection ends); this is for
-            partitions and hung hosts. Heartbeats come from the event loop: a trainer
-            whose loop is blocked (a long synchronous step) longer than this looks dead
-            to its relays, so keep it above your longest step.
+            partitions and hung hosts. Heartbeats come from a thread of each control
+            connection, not from the event loop: a loop blocked by a long synchronous
+            step does not look dead.
         backend: ``"gloo"`` (default: CPU memory on the wire) or ``"nccl"`` (CUDA memory on
             the wire: the trainer keeps its snapshots on its GPU and each relay receives
             through two ``chunk_bytes`` buffers on its GPU into the host's shared memory).
@@ -171,6 +175,8 @@ class DistributedWeightSyncScheme:
         self._relay: Relay | None = None
         self._local: MultiProcessWeightSyncScheme | None = None
         self._worker: MultiProcessWeightSyncScheme | None = None  # init_on_receiver: the worker in this process
+        self._relay_loop: _RelayLoop | None = None  # init_on_receiver: where the relay runs
+        self._relay_closed = False
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -188,6 +194,14 @@ class DistributedWeightSyncScheme:
             base = TCPStore(self.master_addr, port, None, self.rank == 0, timeout, wait_for_workers=False)
         self._store = PrefixStore("asyncsync/", base)
         return self._store
+
+    def _store_name(self) -> str:
+        if self._user_store is not None:
+            return "the store passed as store="
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+            return f"torchrun's agent store ({self.master_addr}:{self.master_port})"
+        port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
+        return f"{self.master_addr}:{port}"
 
     def _resolve_token(self, store: Any, trainer: bool) -> bytes:
         if self._token is not None:
@@ -282,13 +296,15 @@ class DistributedWeightSyncScheme:
         frozen = {k: t.detach().clone() for k, t in template.items()}  # the relay never reads it again
         local = MultiProcessWeightSyncScheme(**self._options)
         local.init_on_sender(weights=frozen, num_workers=num_workers)
-        store = self._open_store()
         self._local = local
+        # The store is opened by connect(), off the loop and bounded by its timeout (a store
+        # client connecting to a host that does not answer would block here).
         self._relay = Relay(
             host=self.rank if host is None else host,
             local=local.sender,
-            store=store,
-            token=self._resolve_token(store, trainer=False),
+            open_store=self._open_store,
+            store_name=self._store_name(),
+            token=self._token,
             timeout=self.timeout,
             heartbeat=self.heartbeat,
             silence_timeout=self.silence_timeout,
@@ -404,7 +420,15 @@ class DistributedWeightSyncScheme:
         Relay: join the trainer; return once the first weights reached the local workers.
         Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
         if self._worker is not None:
-            both = [asyncio.ensure_future(self.relay.connect(timeout=timeout)), asyncio.ensure_future(self._worker.connect(timeout=timeout))]
+            if self._relay_loop is None:
+                if self._relay_closed:
+                    raise ClosedError(f"host {self.relay.host}: the relay is closed")
+                self._relay_loop = _RelayLoop(self.relay.host)
+            relay_loop = self._relay_loop
+            both = [
+                asyncio.ensure_future(relay_loop.run(self.relay.connect(timeout=timeout))),
+                asyncio.ensure_future(self._worker.connect(timeout=timeout)),
+            ]
             try:
                 version, _ = await asyncio.gather(*both)
             except BaseException:
@@ -420,7 +444,13 @@ class DistributedWeightSyncScheme:
         Releases the rendezvous store too (the trainer's, when it hosts it, stops serving)."""
         if self._sender is not None:
             await self._sender.aclose()
+        elif self._relay_loop is not None:
+            relay_loop, self._relay_loop = self._relay_loop, None
+            self._relay_closed = True
+            await relay_loop.run(self.relay.aclose())
+            relay_loop.close()
         elif self._relay is not None:
+            self._relay_closed = True
             await self._relay.aclose()
         if self._worker is not None:
             await self._worker.aclose()
@@ -480,9 +510,45 @@ class DistributedWeightSyncScheme:
         if it died (the worker keeps its last complete weights)."""
         if self._worker is not None:
             await self._worker.wait_stopped()
+            error = self.relay.error
+            if error is not None:  # e.g. another relay replaced this rank's: its worker was stopped
+                raise error
             return
         await self.relay.wait_stopped()
 
 
 def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
     return scheme
+
+
+class _RelayLoop:
+    """The event loop of a rank's relay when the rank is itself the worker, in a daemon
+    thread: the worker's loop may block for a long synchronous step (rollouts, env steps)
+    while the relay keeps landing the newest weights (the worker commits them once its
+    loop turns again), answering the trainer and taking part in broadcasts, so a busy
+    worker never holds up the other hosts. The worker reaches its relay through the
+    local channel (a socket and shared memory), as a worker process would."""
+
+    def __init__(self, host: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=f"asyncsync-relay-{host}", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """*coro* on the relay's loop; cancelling the caller cancels it there."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def close(self) -> None:
+        """Stop the loop and join its thread (it has nothing left to run: instant)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()

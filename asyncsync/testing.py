@@ -387,8 +387,9 @@ def open_loopback(
 class LoopbackHosts:
     """A multi-host setup in this event loop: a trainer, one relay per host and each host's
     loopback workers, on a real gloo group and control plane over 127.0.0.1. Use it as
-    ``async with``: on entry everything is connected and every worker runs version 0; on
-    exit everything is closed. Build one with :func:`open_loopback_hosts`.
+    ``async with``: on entry everything is connected and every worker runs version 0
+    (committed, with ``commit_mode="manual"``); on exit everything is closed. Build one
+    with :func:`open_loopback_hosts`.
 
     Attributes:
         trainer: the trainer's :class:`~asyncsync.DistributedWeightSyncScheme`.
@@ -431,7 +432,7 @@ class LoopbackHosts:
     async def __aenter__(self) -> LoopbackHosts:
         try:
             joining = [self.trainer.connect(), *(h.connect() for h in self.hosts.values())]
-            await asyncio.gather(*joining, *(w.connect() for w in self.workers.values()))
+            await asyncio.gather(*joining, *(LoopbackWorkers._join(w) for w in self.workers.values()))
         except BaseException:
             await self.aclose()
             raise
