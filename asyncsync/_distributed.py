@@ -47,7 +47,7 @@ from ._loopback import loopback_worker
 from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
-from ._scheme import MultiProcessWeightSyncScheme
+from ._scheme import MultiProcessWeightSyncScheme, _check_device
 from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
 from ._strategy import Strategy, resolve_model, to_flat
 
@@ -342,8 +342,9 @@ class DistributedWeightSyncScheme:
         host: int | None = None,
     ) -> None:
         """Make this rank a host whose only worker is this process (torchrl's layout: one
-        worker per rank): its relay and its worker share this event loop, and the trainer
-        names the worker ``(host, 0)``. *model* (or ``context.<model_id>``) receives the
+        worker per rank): the worker's receiver runs in this event loop, its relay in a
+        small event-loop thread of its own (a busy worker loop holds up no other host),
+        and the trainer names the worker ``(host, 0)``. *model* (or ``context.<model_id>``) receives the
         weights, as with :meth:`MultiProcessWeightSyncScheme.init_on_receiver`; then
         ``connect`` / ``version`` / ``commit`` / ``wait_for_version`` / ``wait_stopped``
         / ``aclose`` work as on a worker. *worker_idx* must be 0 (one worker per rank).
@@ -362,6 +363,8 @@ class DistributedWeightSyncScheme:
             model = resolve_model(context, model_id)
         if model is None:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
+        if device is not None:
+            _check_device(torch.device(device), "init_on_receiver")  # before the relay takes anything
         local = self.init_on_relay(model=model, num_workers=1, host=host)
         worker = loopback_worker(local, 0)
         worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device)
