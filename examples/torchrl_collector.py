@@ -4,7 +4,7 @@
 trainer learns with REINFORCE and, after every batch, ``collector.update_policy_weights_()``
 pushes the new weights through ``AsyncSyncScheme`` (returns once both workers run them).
 
-Run: ``python examples/torchrl_collector.py`` (needs ``pip install torchrl gymnasium``).
+Run: ``python examples/torchrl_collector.py`` (needs ``pip install torch==2.13.0 torchrl==0.14.1 gymnasium``).
 """
 
 from __future__ import annotations

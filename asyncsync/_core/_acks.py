@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError, SyncTimeoutError, WorkerDiedError, WorkerError
+from .._options import DEFAULT, UseDefault
 from .._signal import Signal
 from .._stats import WorkerStatistics
 
@@ -200,8 +201,12 @@ class AckTracker(Generic[W, R]):
         skip_gone: bool,
         timeout: float | None,
         what: str | None = None,
+        reported_timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
         """Wait until *targets* applied *version* (None: each its newest); see ``wait_async``.
+
+        A timeout error names *reported_timeout* (default: *timeout*): the whole call's
+        bound, when this wait is its last part.
 
         *newest* is the sender's newest version; *skip_gone* as for :meth:`settled`. Only targets that were sent *version*
         (or a newer one) are waited for.
@@ -227,7 +232,8 @@ class AckTracker(Generic[W, R]):
         if not await self._changed.wait_until(settled, timeout):
             pending = {wid: self.records[wid].applied for wid, v in wanted.items() if not self._counts(wid, v)}
             what = what or ("wait_async" if version is None else f"wait for version {version}")
-            raise SyncTimeoutError(what, pending, timeout, never_connected=self._never_connected(list(pending)))  # type: ignore[arg-type]
+            reported = timeout if isinstance(reported_timeout, UseDefault) else reported_timeout
+            raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(list(pending)))  # type: ignore[arg-type]
 
     def _counts(self, wid: W, version: int) -> bool:
         rec = self.records[wid]

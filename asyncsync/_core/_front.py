@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError
 from .._layout import Layout
-from .._options import DEFAULT, Timeout, resolve_timeout
+from .._options import DEFAULT, Timeout, UseDefault, resolve_timeout
 from .._signal import Signal
 from ._acks import AckTracker, WorkerRecord
 from ._deadline import Deadline, locked_within
@@ -136,7 +136,7 @@ class SenderCore(Generic[W, R]):
         deadline = Deadline(self._limit(timeout))
         if self._version < 0:
             await self.send_async(weights, timeout=deadline.remaining())
-        await self._wait(0, None, None, deadline.remaining(), "connect")
+        await self._wait(0, None, None, deadline.remaining(), "connect", reported_timeout=deadline.timeout)
         n = len(self._acks.records)
         logger.info("asyncsync: connected: %d/%d workers at version 0 in %.1f s", n, n, time.monotonic() - t0)
         return 0
@@ -147,7 +147,7 @@ class SenderCore(Generic[W, R]):
         deadline = Deadline(self._limit(timeout))
         version = await self.send_async(weights, targets, partial=partial, timeout=deadline.remaining())
         if self.sync:
-            await self._wait(version, targets, None, deadline.remaining(), f"send of version {version}")
+            await self._wait(version, targets, None, deadline.remaining(), f"send of version {version}", reported_timeout=deadline.timeout)
         return version
 
     def _before_send(self, targets: Sequence[W]) -> None:
@@ -169,7 +169,15 @@ class SenderCore(Generic[W, R]):
         finally:
             lock.release()
 
-    async def _wait(self, version: int | None, worker_ids: Any, quorum: int | None, timeout: Timeout, what: str | None) -> None:
+    async def _wait(
+        self,
+        version: int | None,
+        worker_ids: Any,
+        quorum: int | None,
+        timeout: Timeout,
+        what: str | None,
+        reported_timeout: float | None | UseDefault = DEFAULT,
+    ) -> None:
         targets = self._targets(worker_ids)
         await self._acks.wait(
             targets,
@@ -179,6 +187,7 @@ class SenderCore(Generic[W, R]):
             skip_gone=self.on_worker_error == "skip",
             timeout=self._limit(timeout),
             what=what,
+            reported_timeout=reported_timeout,
         )
 
     async def _stop_peers(self, timeout: float, stop: bool, peers: Callable[[], list[P]], send_stop: Callable[[P], None]) -> None:
