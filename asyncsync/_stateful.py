@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import socket
 import threading
@@ -43,7 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from ._distributed import DistributedWeightSyncScheme
-from ._errors import SyncTimeoutError, WorkerDiedError
+from ._errors import HostLostError, SyncTimeoutError, WorkerDiedError
 from ._loopback import loopback_worker
 from ._ownership import set_debug, slot_bound
 from ._scheme import MultiProcessWeightSyncScheme
@@ -159,9 +160,10 @@ class LocalCluster:
         self.units: list[Hashable] = list(self.ids)
         self.workers: dict[Wid, _Worker] = {}
         self.frozen: dict[Wid, _Worker] = {}  # lost their sender; must never change again
+        self.seen: dict[Wid, list[int]] = {}  # versions each worker applied (on_update)
 
     async def start(self) -> None:
-        joins = [asyncio.ensure_future(_start_worker(self.scheme, i, self.manual)) for i in self.ids]
+        joins = [asyncio.ensure_future(_start_worker(self.scheme, i, self.manual, self._seen(i))) for i in self.ids]
         await self.scheme.connect(timeout=SETTLE)
         for w in await asyncio.gather(*joins):
             self.workers[w.wid] = w
@@ -189,15 +191,30 @@ class LocalCluster:
     def make_idle_unit(self, unit: Hashable) -> None:
         pass
 
-    async def crash(self, unit: Hashable) -> None:
+    async def crash(self, unit: Hashable, graceful: bool) -> None:
+        """Worker *unit* dies (killed: no goodbye) or leaves (closes its receiver and goes
+        on using its model, which must never change again)."""
         w = self.workers.pop(unit)
         w.make_idle()
-        await w.scheme.receiver._kill()
+        if graceful:
+            await w.scheme.aclose()
+            self.frozen[unit] = w
+        else:
+            await w.scheme.receiver._kill()
+            await w.scheme.aclose()
         await self.scheme.sender.wait_dead(unit, timeout=SETTLE)
-        await w.scheme.aclose()
 
     async def rejoin(self, unit: Hashable) -> None:
-        self.workers[unit] = await _start_worker(self.scheme, unit, self.manual)  # type: ignore[arg-type]
+        self.frozen.pop(unit, None)
+        self.workers[unit] = await _start_worker(self.scheme, unit, self.manual, self._seen(unit))  # type: ignore[arg-type]
+
+    def _seen(self, wid: Wid) -> Any:
+        seen = self.seen[wid] = []
+
+        def on_update(_weights: Any, version: int) -> None:
+            seen.append(version)
+
+        return on_update
 
     def check(self) -> None:
         _check_slots(self.scheme, self.manual)
@@ -250,6 +267,7 @@ class HostsCluster:
         self.workers: dict[Wid, _Worker] = {}
         self.frozen: dict[Wid, _Worker] = {}
         self.gates: dict[int, asyncio.Event] = {}
+        self.seen: dict[Wid, list[int]] = {}  # versions each worker applied (on_update)
 
     async def start(self) -> None:
         await asyncio.gather(self.trainer.connect(timeout=SETTLE), *(self.rejoin(h) for h in self.HOSTS))
@@ -262,7 +280,7 @@ class HostsCluster:
         relay = DistributedWeightSyncScheme(rank=h, **self.common)
         relay.init_on_relay(model=make_model(), num_workers=self.n)
         self.relays[h] = relay
-        joins = [asyncio.ensure_future(_start_worker(relay.local, i, self.manual)) for i in range(self.n)]
+        joins = [asyncio.ensure_future(_start_worker(relay.local, i, self.manual, self._seen((h, i)))) for i in range(self.n)]
         try:
             await relay.connect(timeout=SETTLE)
         finally:
@@ -272,6 +290,14 @@ class HostsCluster:
                 raise w
             w.wid = (h, w.wid)
             self.workers[w.wid] = w
+
+    def _seen(self, wid: Wid) -> Any:
+        seen = self.seen[wid] = []
+
+        def on_update(_weights: Any, version: int) -> None:
+            seen.append(version)
+
+        return on_update
 
     @property
     def version(self) -> int:
@@ -311,11 +337,28 @@ class HostsCluster:
         if gate is not None:
             gate.set()
 
-    async def crash(self, unit: Hashable) -> None:
+    async def crash(self, unit: Hashable, graceful: bool) -> None:
+        """Host *unit*'s relay dies (the process would be killed) or leaves (``aclose``);
+        its workers keep their weights. A send to them is then refused before anything
+        is sent."""
         h: int = unit  # type: ignore[assignment]
         self.make_idle_unit(h)
-        await self.relays[h].relay._crash()
+        if graceful:
+            await self.relays[h].aclose()
+        else:
+            await self.relays[h].relay._crash()
         await self.trainer.sender.wait_lost(h, timeout=SETTLE)
+        self._freeze(h)
+        before = self.trainer.version
+        try:
+            await self.trainer.send(worker_ids=[(h, 0)], timeout=SETTLE)
+        except HostLostError as exc:
+            assert exc.host == h, exc
+        else:
+            raise AssertionError(f"a send to lost host {h} was not refused")
+        assert self.trainer.version == before, "a send to a lost host published a version"
+
+    def _freeze(self, h: int) -> None:
         for wid in self.members(h):
             w = self.workers.pop(wid)
             w.make_idle()
@@ -349,11 +392,23 @@ CLUSTERS: dict[str, Callable[[int, bool, dict[str, Any]], Any]] = {"local": Loca
 # ----------------------------------------------------------------------------- machine
 
 
+class _Errors(logging.Handler):
+    """Collects what asyncsync logs at ERROR and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record.getMessage())
+
+
 class ClusterMachine(RuleBasedStateMachine):
     """One trainer, its workers behind the transport :attr:`transports` names (each example
     picks one), random options and operations; the guarantees checked after every step."""
 
     transports: tuple[str, ...] = ("local", "hosts")
+    strict_logs = False  # also fail on anything asyncsync logs at ERROR (see nothing_went_wrong_unseen)
     steps = 0  # checked steps, over every example of a run
 
     def __init__(self) -> None:
@@ -368,6 +423,8 @@ class ClusterMachine(RuleBasedStateMachine):
         self.busy_units: set[Hashable] = set()
         self.value = 0.0
         self.closed = False
+        self.errors = _Errors()
+        logging.getLogger("asyncsync").addHandler(self.errors)
 
     # ----------------------------------------------------------------- helpers
 
@@ -523,17 +580,16 @@ class ClusterMachine(RuleBasedStateMachine):
         self.record(before, dict.fromkeys(self.cluster.workers, values))
 
     @precondition(lambda self: not self.closed)
-    @rule(i=st.integers(0, 3))
-    def crash(self, i: int) -> None:
-        """A worker's process (local) or a host's relay (multi-host) dies; what it leaves
-        keeps its last complete version."""
+    @rule(i=st.integers(0, 3), graceful=st.booleans())
+    def crash(self, i: int, graceful: bool) -> None:
+        """A worker (local) or a host's relay (multi-host) dies or leaves; what it leaves
+        behind keeps its last complete version, and never changes again."""
         unit = self.cluster.units[i % len(self.cluster.units)]
         members = self.cluster.members(unit)
         if any(m not in self.cluster.workers for m in members) or len(self.cluster.workers) <= len(members):
             return  # already down, or the last one standing
-        for m in members:
-            self.check_worker(m, self.cluster.workers[m])
-        self.run(self.cluster.crash(unit), SETTLE)
+        self.every_worker_runs_exactly_a_version_sent_to_it()
+        self.run(self.cluster.crash(unit, graceful), SETTLE)
         for m in members:
             if m in self.cluster.frozen:
                 self.frozen[m] = content(self.cluster.frozen[m].model.state_dict())
@@ -554,6 +610,9 @@ class ClusterMachine(RuleBasedStateMachine):
             self.expected[m][-1] = dict.fromkeys(KEYS, -1.0)
             self.last_version[m] = -1
         self.run(self.cluster.rejoin(unit), SETTLE)
+        for m in members:
+            seen = self.cluster.seen[m]
+            assert seen and seen[0] == self.latest_sent[m], f"worker {m} rejoined with versions {seen}, the newest sent to it is {self.latest_sent[m]}"
 
     @precondition(lambda self: not self.closed)
     @rule()
@@ -591,6 +650,12 @@ class ClusterMachine(RuleBasedStateMachine):
         ClusterMachine.steps += 1
         for wid, w in [*self.cluster.workers.items(), *self.cluster.frozen.items()]:
             self.check_worker(wid, w)
+
+    @invariant()
+    def nothing_went_wrong_unseen(self) -> None:
+        """With :attr:`strict_logs`, no error was logged (a version a host could not
+        complete, a transfer lost...): the soak's stricter check."""
+        assert not (self.strict_logs and self.errors.records), f"asyncsync logged errors: {self.errors.records}"
 
     @invariant()
     def slots_within_bound(self) -> None:
@@ -632,14 +697,15 @@ class ClusterMachine(RuleBasedStateMachine):
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         finally:
             self.loop.close()
+            logging.getLogger("asyncsync").removeHandler(self.errors)
             set_debug(os.environ.get("ASYNCSYNC_DEBUG", "") not in ("", "0"))
             self.cluster = None
 
 
-def run_machine(settings: Any, transports: tuple[str, ...] = ("local", "hosts")) -> int:
+def run_machine(settings: Any, transports: tuple[str, ...] = ("local", "hosts"), *, strict_logs: bool = False) -> int:
     """Run :class:`ClusterMachine` over *transports*; afterwards no descriptor or thread is
     left from any example. Returns the number of steps checked."""
-    machine = type("Machine", (ClusterMachine,), {"transports": transports})
+    machine = type("Machine", (ClusterMachine,), {"transports": transports, "strict_logs": strict_logs})
     ClusterMachine.steps = 0
     if "hosts" in transports:
         _warm_up()
