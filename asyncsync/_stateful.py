@@ -79,6 +79,46 @@ def content(tensors: dict[str, torch.Tensor]) -> dict[str, float | None]:
     return out
 
 
+def check_version(
+    wid: Wid, version: int, now: dict[str, float | None], pending: tuple[int, dict[str, float | None]] | None, expected: dict[int, dict[str, float]], last: int
+) -> int:
+    """Worker *wid* runs *version*, holding *now* (and *pending* staged, with a manual commit):
+    it went no lower than *last*, that version was sent to it (*expected*: version ->
+    values), the model holds exactly its values and a staged version exactly its own.
+    Returns *version*."""
+    assert version >= last, f"worker {wid} went back from version {last} to {version}"
+    assert version in expected, f"worker {wid} runs version {version}, never sent to it"
+    assert now == expected[version], f"worker {wid} at version {version} holds {now}, expected {expected[version]}"
+    if pending is not None:
+        pv, staged = pending
+        assert pv in expected and staged == expected[pv], f"worker {wid} staged version {pv} holds {staged}"
+    return version
+
+
+def gate_receive(worker: MultiProcessWeightSyncScheme) -> asyncio.Event:
+    """Worker *worker*'s receiver stops reading its channel until the returned event is set."""
+    gate = asyncio.Event()
+    queue = worker.receiver._queue
+    real_get = type(queue).get_bytes  # what the receiver task awaits
+
+    async def gated_get(*args: Any, **kwargs: Any) -> Any:
+        await gate.wait()
+        return await real_get(queue, *args, **kwargs)
+
+    queue.get_bytes = gated_get  # type: ignore[method-assign]
+    return gate
+
+
+def _recorder(seen: dict[Wid, list[int]], wid: Wid) -> Any:
+    """An ``on_update`` that lists the versions worker *wid* applies in ``seen[wid]``."""
+    versions = seen[wid] = []
+
+    def on_update(_worker: Any, version: int) -> None:
+        versions.append(version)
+
+    return on_update
+
+
 class _Worker:
     """One worker as the machine sees it: its scheme, model and receive gate."""
 
@@ -95,17 +135,8 @@ class _Worker:
 
     def make_busy(self) -> None:
         """Its loop stops reading its channel (a long synchronous step)."""
-        if self.busy is not None:
-            return
-        gate = self.busy = asyncio.Event()
-        queue = self.scheme.receiver._queue
-        real_get = type(queue).get_bytes  # what the receiver task awaits
-
-        async def gated_get(*args: Any, **kwargs: Any) -> Any:
-            await gate.wait()
-            return await real_get(queue, *args, **kwargs)
-
-        queue.get_bytes = gated_get  # type: ignore[method-assign]
+        if self.busy is None:
+            self.busy = gate_receive(self.scheme)
 
     def make_idle(self) -> None:
         if self.busy is not None:
@@ -163,7 +194,7 @@ class LocalCluster:
         self.seen: dict[Wid, list[int]] = {}  # versions each worker applied (on_update)
 
     async def start(self) -> None:
-        joins = [asyncio.ensure_future(_start_worker(self.scheme, i, self.manual, self._seen(i))) for i in self.ids]
+        joins = [asyncio.ensure_future(_start_worker(self.scheme, i, self.manual, _recorder(self.seen, i))) for i in self.ids]
         await self.scheme.connect(timeout=SETTLE)
         for w in await asyncio.gather(*joins):
             self.workers[w.wid] = w
@@ -206,15 +237,7 @@ class LocalCluster:
 
     async def rejoin(self, unit: Hashable) -> None:
         self.frozen.pop(unit, None)
-        self.workers[unit] = await _start_worker(self.scheme, unit, self.manual, self._seen(unit))  # type: ignore[arg-type]
-
-    def _seen(self, wid: Wid) -> Any:
-        seen = self.seen[wid] = []
-
-        def on_update(_weights: Any, version: int) -> None:
-            seen.append(version)
-
-        return on_update
+        self.workers[unit] = await _start_worker(self.scheme, unit, self.manual, _recorder(self.seen, unit))  # type: ignore[arg-type]
 
     def check(self) -> None:
         _check_slots(self.scheme, self.manual)
@@ -280,7 +303,7 @@ class HostsCluster:
         relay = DistributedWeightSyncScheme(rank=h, **self.common)
         relay.init_on_relay(model=make_model(), num_workers=self.n)
         self.relays[h] = relay
-        joins = [asyncio.ensure_future(_start_worker(relay.local, i, self.manual, self._seen((h, i)))) for i in range(self.n)]
+        joins = [asyncio.ensure_future(_start_worker(relay.local, i, self.manual, _recorder(self.seen, (h, i)))) for i in range(self.n)]
         try:
             await relay.connect(timeout=SETTLE)
         finally:
@@ -290,14 +313,6 @@ class HostsCluster:
                 raise w
             w.wid = (h, w.wid)
             self.workers[w.wid] = w
-
-    def _seen(self, wid: Wid) -> Any:
-        seen = self.seen[wid] = []
-
-        def on_update(_weights: Any, version: int) -> None:
-            seen.append(version)
-
-        return on_update
 
     @property
     def version(self) -> int:
@@ -633,15 +648,7 @@ class ClusterMachine(RuleBasedStateMachine):
         if wid in self.frozen:
             assert now == self.frozen[wid], f"worker {wid} changed after it stopped receiving: {self.frozen[wid]} -> {now}"
             return
-        v = w.scheme.version
-        assert v >= self.last_version[wid], f"worker {wid} went back from version {self.last_version[wid]} to {v}"
-        self.last_version[wid] = v
-        assert v in self.expected[wid], f"worker {wid} runs version {v}, never sent to it"
-        assert now == self.expected[wid][v], f"worker {wid} at version {v} holds {now}, expected {self.expected[wid][v]}"
-        pending = w.pending()
-        if pending is not None:
-            pv, staged = pending
-            assert pv in self.expected[wid] and staged == self.expected[wid][pv], f"worker {wid} staged version {pv} holds {staged}"
+        self.last_version[wid] = check_version(wid, w.scheme.version, now, w.pending(), self.expected[wid], self.last_version[wid])
 
     @invariant()
     def every_worker_runs_exactly_a_version_sent_to_it(self) -> None:
