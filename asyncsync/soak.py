@@ -4,12 +4,13 @@ Run: ``python -m asyncsync.soak --minutes 2``. The last line reads
 ``sends=N faults=N detected=N max_detect_ms=X leaks=N``; the exit status is non-zero if a
 fault went undetected, a worker ended on the wrong weights, or anything leaked.
 
-``--stateful`` then runs the ownership state machine of the test suite for the same
-time: random interleavings of sends (full, partial, subsets, several sources), manual
-commits, busy workers, cancellations, leaves, kills and restarts, on the in-process
-loopback and across processes, checking every guarantee after every step (run it from
-the repository root with the ``test`` extra installed). Its line reads
-``stateful_steps=N stateful_process_steps=N``.
+``--stateful`` then runs the state machine for the same time: random interleavings of
+sends (full, partial, subsets, bfloat16 transfers), manual commits, busy workers and
+hosts, blocked trainer loops, leaves, crashes and rejoins, on the local transport
+(loopback workers) and the multi-host transport (a trainer and two relays on gloo over
+127.0.0.1), checking every guarantee after every step, and that asyncsync logged no
+error (it needs the ``test`` extra installed). Its line reads
+``stateful_steps=N stateful_hosts_steps=N``.
 """
 
 from __future__ import annotations
@@ -142,31 +143,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sends={c['sends']} faults={c['faults']} detected={c['detected']} max_detect_ms={c['max_detect_ms']:.1f} leaks={c['leaks']}")
     ok = c["detected"] == c["faults"] and c["leaks"] == 0 and c["wrong"] == 0
     if args.stateful:
-        steps, process_steps = stateful(args.minutes)
-        print(f"stateful_steps={steps} stateful_process_steps={process_steps}")
+        steps, process_steps = stateful(args.minutes)  # local, multi-host
+        print(f"stateful_steps={steps} stateful_hosts_steps={process_steps}")
     return 0 if ok else 1
 
 
 def stateful(minutes: float) -> tuple[int, int]:
-    """Run the test suite's state machines for about *minutes* (loopback: 2/3, processes: 1/3)."""
+    """Run the state machine for about *minutes* on the local and the multi-host transport
+    (in batches, each with its own leak check); returns the steps checked on each."""
     try:
         from hypothesis import HealthCheck, settings
-        from hypothesis.stateful import run_state_machine_as_test
 
-        from tests.stateful import ProcessMachine, run_machine
+        from ._stateful import run_machine
     except ImportError as exc:
-        raise SystemExit(f"--stateful needs the test extra and the repository root as working directory ({exc})") from None
+        raise SystemExit(f"--stateful needs the test extra (hypothesis) ({exc})") from None
     quick = list(HealthCheck)
-    deadline = time.monotonic() + minutes * 60 * 2 / 3
-    steps = 0
+    deadline = time.monotonic() + minutes * 60
+    steps = {"local": 0, "hosts": 0}
     while time.monotonic() < deadline:  # batches, each with its own leak check
-        steps += run_machine(settings(max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=quick, database=None))
-    ProcessMachine.steps = 0
-    examples = max(int(minutes * 60 / 3 / 15), 1)  # ~15 s an example (two spawned workers)
-    run_state_machine_as_test(
-        ProcessMachine, settings=settings(max_examples=examples, stateful_step_count=30, deadline=None, suppress_health_check=quick, database=None)
-    )
-    return steps, ProcessMachine.steps
+        for transport, examples in (("local", 10), ("hosts", 4)):
+            batch = settings(max_examples=examples, stateful_step_count=30, deadline=None, suppress_health_check=quick, database=None)
+            steps[transport] += run_machine(batch, (transport,), strict_logs=True)
+    return steps["local"], steps["hosts"]
 
 
 if __name__ == "__main__":

@@ -40,32 +40,9 @@ from asyncsync import (
     loopback_worker,
 )
 from asyncsync._ownership import set_debug, slot_bound
+from asyncsync._stateful import KEYS, SHORT, _describe, check_version, content, fill, gate_receive, make_model
 
-KEYS = ("0.weight", "0.bias", "1.weight", "1.bias")
 HANG = 10.0  # a call that outlives its own timeout by this much is a hang
-SHORT = 0.005  # timeout of calls expected to time out (a busy or uncommitted worker)
-
-
-def make_model() -> nn.Module:
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    fill(model.state_dict(), dict.fromkeys(KEYS, -1.0))
-    return model
-
-
-def fill(sd: dict[str, torch.Tensor], values: dict[str, float]) -> None:
-    with torch.no_grad():
-        for k, v in values.items():
-            sd[k].fill_(v)
-
-
-def content(tensors: dict[str, torch.Tensor]) -> dict[str, float | None]:
-    """Each key's value (the tensors are constant-filled), None where a tensor is mixed."""
-    out: dict[str, float | None] = {}
-    for k in KEYS if set(KEYS) <= set(tensors) else list(tensors):
-        t = tensors[k].detach().float()
-        lo, hi = float(t.min()), float(t.max())
-        out[k] = lo if lo == hi else None
-    return out
 
 
 class _Worker:
@@ -278,15 +255,7 @@ class SyncMachine(RuleBasedStateMachine):
         w = self.workers.get(idx)
         if w is None or w.state != "running" or w.busy is not None:
             return
-        gate = w.busy = asyncio.Event()
-        queue = w.scheme.receiver._queue
-        real_get = type(queue).get_bytes  # what the receiver task awaits
-
-        async def gated_get(*args: Any, **kwargs: Any) -> Any:
-            await gate.wait()
-            return await real_get(queue, *args, **kwargs)
-
-        queue.get_bytes = gated_get  # type: ignore[method-assign]
+        w.busy = gate_receive(w.scheme)
 
     @rule(idx=st.integers(0, 2))
     def make_idle(self, idx: int) -> None:
@@ -365,15 +334,9 @@ class SyncMachine(RuleBasedStateMachine):
                 assert now == w.frozen, f"worker {w.idx} changed after it stopped receiving: {w.frozen} -> {now}"
                 continue
             rx = w.scheme.receiver
-            v = rx.version
-            assert v >= w.last_version, f"worker {w.idx} went back from version {w.last_version} to {v}"
-            w.last_version = v
-            assert v in self.expected[w.idx], f"worker {w.idx} runs version {v}, never sent to it"
-            assert now == self.expected[w.idx][v], f"worker {w.idx} at version {v} holds {now}, expected {self.expected[w.idx][v]}"
             pending = rx._roles.pending if rx._roles is not None else None
-            if pending is not None:
-                staged = content(pending.tensors)
-                assert staged == self.expected[w.idx][pending.version], f"worker {w.idx} staged version {pending.version} holds {staged}"
+            staged = None if pending is None else (pending.version, content(pending.tensors))
+            w.last_version = check_version(w.idx, rx.version, now, staged, self.expected[w.idx], w.last_version)
 
     @invariant()
     def slots_within_bound(self) -> None:
@@ -453,16 +416,6 @@ def run_machine(settings: Any) -> int:
     assert fds <= fds0, f"descriptors leaked: {_describe(fds - fds0)}"
     assert {t.ident for t in threading.enumerate()} <= threads0, "threads leaked"
     return SyncMachine.steps
-
-
-def _describe(fds: set[str]) -> dict[str, str]:
-    out = {}
-    for fd in fds:
-        try:
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            out[fd] = "?"
-    return out
 
 
 # ------------------------------------------------------------------ across processes

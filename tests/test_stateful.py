@@ -1,6 +1,9 @@
-"""The ownership state machine (tests/stateful.py) on an in-process loopback.
+"""The state machines on an in-process loopback: tests/stateful.py's ownership machine (the
+local scheme's options: shm and queue transports, several sources, cancellations, leaves,
+kills), and asyncsync/_stateful.py's machine, which checks the same guarantees on every
+transport (local shm here; the multi-host transport in tests/test_dist_stateful.py).
 
-A run checks at least 2,000 steps (400 examples of up to 30 steps; shorter ones are common).
+The ownership machine checks at least 2,000 steps (400 examples of up to 30 steps).
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
+from asyncsync import _stateful
 from tests.stateful import run_machine
 
 
@@ -15,3 +19,16 @@ from tests.stateful import run_machine
 def test_random_interleavings_keep_every_guarantee() -> None:
     steps = run_machine(settings(max_examples=400, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]))
     assert steps >= 2000, f"only {steps} steps were checked"
+
+
+@pytest.mark.timeout(240)
+def test_cluster_machine_on_the_local_transport() -> None:
+    quick = settings(max_examples=8, stateful_step_count=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    assert _stateful.run_machine(quick, ("local",)) >= 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cluster_machine_on_every_transport() -> None:
+    long = settings(max_examples=150, stateful_step_count=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    assert _stateful.run_machine(long) >= 1000
