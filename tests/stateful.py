@@ -39,7 +39,7 @@ from asyncsync import (
     WorkerDiedError,
     loopback_worker,
 )
-from asyncsync._ownership import set_debug, slot_bound
+from asyncsync._core._ownership import set_debug, slot_bound
 
 KEYS = ("0.weight", "0.bias", "1.weight", "1.bias")
 HANG = 10.0  # a call that outlives its own timeout by this much is a hang
