@@ -11,7 +11,8 @@ Example::
         await scheme.send()
 """
 
-from ._distributed import DistributedWeightSyncScheme
+from ._core._layout import Layout, TensorSpec
+from ._dist._scheme import DistributedWeightSyncScheme
 from ._errors import (
     AsyncSyncError,
     AuthenticationError,
@@ -29,14 +30,13 @@ from ._errors import (
     WorkerProcessError,
     WouldBlock,
 )
-from ._layout import Layout, TensorSpec
-from ._loopback import loopback_worker
-from ._queues import AsyncQueue
-from ._receiver import Receiver
-from ._scheme import MultiProcessWeightSyncScheme
-from ._sender import Sender
+from ._io._queues import AsyncQueue
+from ._local._loopback import loopback_worker
+from ._local._receiver import Receiver
+from ._local._scheme import MultiProcessWeightSyncScheme
+from ._local._sender import Sender
+from ._local._workers import WorkerGroup, spawn_workers
 from ._stats import DistributedStatistics, HostStatistics, ReceiverStatistics, SenderStatistics, WorkerStatistics
-from ._workers import WorkerGroup, spawn_workers
 
 __version__ = "0.1.0"
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._layout import Layout
-from ._strategy import STRATEGIES, Strategy
+from ._core._layout import Layout
+from ._core._strategy import STRATEGIES, Strategy
 
 if TYPE_CHECKING:
-    from ._receiver import Commit, CommitMode
+    from ._local._receiver import Commit, CommitMode
 
 __all__ = ["DEFAULT", "OnWorkerError", "SchemeOptions", "Timeout", "UseDefault", "choice", "resolve_timeout"]
 

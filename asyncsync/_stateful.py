@@ -43,11 +43,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 from torch import nn
 
-from ._distributed import DistributedWeightSyncScheme
+from ._core._ownership import set_debug, slot_bound
+from ._dist._scheme import DistributedWeightSyncScheme
 from ._errors import HostLostError, SyncTimeoutError, WorkerDiedError
-from ._loopback import loopback_worker
-from ._ownership import set_debug, slot_bound
-from ._scheme import MultiProcessWeightSyncScheme
+from ._local._loopback import loopback_worker
+from ._local._scheme import MultiProcessWeightSyncScheme
 
 KEYS = ("0.weight", "0.bias", "1.weight", "1.bias")
 HANG = 10.0  # a call that outlives its own timeout by this much is a hang

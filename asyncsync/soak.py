@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ._errors import AsyncSyncError
-from ._scheme import MultiProcessWeightSyncScheme
-from ._workers import spawn_workers
+from ._local._scheme import MultiProcessWeightSyncScheme
+from ._local._workers import spawn_workers
 
 __all__ = ["main", "soak"]
 

@@ -39,14 +39,14 @@ import anyio
 import torch
 from torch import nn
 
-from ._distributed import DistributedWeightSyncScheme
+from ._core._signal import Signal
+from ._dist._scheme import DistributedWeightSyncScheme
 from ._errors import SyncTimeoutError, WorkerDiedError
-from ._faults import FaultHook, installed, run_with_faults
-from ._loopback import loopback_worker
-from ._receiver import OnUpdate
-from ._scheme import MultiProcessWeightSyncScheme
-from ._signal import Signal
-from ._workers import START_TIMEOUT, WorkerGroup, _Outcome
+from ._local._faults import FaultHook, installed, run_with_faults
+from ._local._loopback import loopback_worker
+from ._local._receiver import OnUpdate
+from ._local._scheme import MultiProcessWeightSyncScheme
+from ._local._workers import START_TIMEOUT, WorkerGroup, _Outcome
 
 __all__ = [
     "Faults",

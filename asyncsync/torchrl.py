@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torchrl is abse
     raise ImportError("asyncsync.torchrl needs torchrl (pip install torchrl); the rest of asyncsync does not") from exc
 
 from ._errors import SyncTimeoutError
-from ._scheme import MultiProcessWeightSyncScheme
+from ._local._scheme import MultiProcessWeightSyncScheme
 from ._stats import ReceiverStatistics, SenderStatistics
 
 __all__ = ["AsyncSyncScheme"]

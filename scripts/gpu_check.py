@@ -87,7 +87,7 @@ async def gpu_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_pa
     stable = ptrs0 == [p.data_ptr() for p in model.parameters()]
     stats = scheme.statistics()
     steady = lags[first[0] :]
-    from asyncsync._staging import cudart
+    from asyncsync._io._staging import cudart
 
     return {
         "pinning_via": cudart()[2] if device != "cpu" else None,
@@ -276,7 +276,7 @@ def _nccl_probe(rank: int, port: int, out: Any) -> None:
     """Form a two-rank NCCL weight-sync group on cuda:rank%count and broadcast through it."""
     import torch.distributed as dist
 
-    from asyncsync._dataplane import SyncGroup
+    from asyncsync._dist._dataplane import SyncGroup
 
     async def go() -> dict[str, object]:
         dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -321,7 +321,7 @@ class _StandInWork:
 async def device_steps(n_bytes: int, chunk_bytes: int) -> dict[str, object]:
     """The device side of ``backend="nccl"`` on one GPU, NCCL replaced by slow copies on a
     stream of its own that first waits for the issuing stream (what ProcessGroupNCCL does)."""
-    from asyncsync._dataplane import SyncGroup
+    from asyncsync._dist._dataplane import SyncGroup
 
     dev = torch.device("cuda", 0)
     comm = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]

@@ -87,7 +87,7 @@ def _die_in_broadcast_of(version: int) -> None:
 
     import torch.distributed as dist
 
-    from asyncsync._relay import Relay
+    from asyncsync._dist._relay import Relay
 
     land = Relay._land
 

@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 from typing import Any
 
-from asyncsync._queues import AsyncQueue
+from asyncsync._io._queues import AsyncQueue
 
 
 def blob(seed: int, size: int) -> bytes:

@@ -30,7 +30,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ["ASYNCSYNC_START_METHOD"] == "forkserver":
         from multiprocessing import forkserver
 
-        from asyncsync._workers import FORKSERVER_PRELOAD
+        from asyncsync._local._workers import FORKSERVER_PRELOAD
 
         forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         forkserver.ensure_running()

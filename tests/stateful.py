@@ -39,7 +39,7 @@ from asyncsync import (
     WorkerDiedError,
     loopback_worker,
 )
-from asyncsync._ownership import set_debug, slot_bound
+from asyncsync._core._ownership import set_debug, slot_bound
 from asyncsync._stateful import KEYS, SHORT, _describe, check_version, content, fill, gate_receive, make_model
 
 HANG = 10.0  # a call that outlives its own timeout by this much is a hang

@@ -105,7 +105,7 @@ async def test_device_path_round_trip_subsets_and_partial_on_a_cpu_stand_in() ->
 def test_a_host_buffer_is_received_through_two_device_chunks_in_a_pipeline() -> None:
     """The relay's landing with NCCL: chunk i+1 is issued before chunk i is copied out, the
     two device chunks alternate, and the host buffer ends up with every byte."""
-    from asyncsync._dataplane import SyncGroup
+    from asyncsync._dist._dataplane import SyncGroup
 
     group = SyncGroup(None, 1, 1, 2, chunk_bytes=4, timeout=5.0, device=torch.device("cpu"))
     source = torch.arange(10, dtype=torch.uint8)
@@ -207,7 +207,7 @@ async def test_a_device_transfer_that_times_out_releases_its_buffer_only_once_th
     """The loop gives up at the group's timeout, but the thread (NCCL) may still write the
     buffer: ``release`` (which frees a relay's slot) waits for it; a closed group refuses."""
     from asyncsync import BrokenChannelError
-    from asyncsync._dataplane import SyncGroup
+    from asyncsync._dist._dataplane import SyncGroup
 
     group = SyncGroup(None, 1, 1, 2, chunk_bytes=4, timeout=0.05, device=torch.device("cpu"))
     go = threading.Event()
@@ -278,8 +278,8 @@ async def test_after_a_rejoin_a_partial_goes_whole_to_a_worker_that_lacks_its_ba
 
 
 def test_a_partial_update_travels_as_merged_byte_ranges_or_whole() -> None:
-    from asyncsync._dist_sender import _changed_ranges
-    from asyncsync._layout import Layout
+    from asyncsync._core._layout import Layout
+    from asyncsync._dist._sender import _changed_ranges
 
     flat = {"a": torch.zeros(4), "b": torch.zeros(4), "big": torch.zeros(1 << 20), "c": torch.zeros(4)}
     layout = Layout.from_tensors(flat)
@@ -412,8 +412,8 @@ async def test_a_relay_that_leaves_is_named_as_left() -> None:
 
 async def test_a_silent_relay_is_declared_lost() -> None:
     """A peer that authenticates, then sends nothing (no heartbeat) for silence_timeout."""
-    from asyncsync._control import auth_mac
-    from asyncsync._protocol import Auth, Challenge, Setup, Welcome, decode, encode
+    from asyncsync._dist._control import auth_mac
+    from asyncsync._wire._protocol import Auth, Challenge, Setup, Welcome, decode, encode
 
     port = free_port()
     trainer = DistributedWeightSyncScheme(

@@ -14,8 +14,8 @@ import pytest_asyncio
 import torch
 
 from asyncsync import AuthenticationError, DistributedWeightSyncScheme, WeightsError
-from asyncsync._control import auth_mac
-from asyncsync._protocol import Auth, Challenge, decode, encode
+from asyncsync._dist._control import auth_mac
+from asyncsync._wire._protocol import Auth, Challenge, decode, encode
 from tests._dist_cluster import TOKEN, DistCluster
 from tests._targets import fill_, make_model
 

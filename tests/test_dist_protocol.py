@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncsync import BrokenChannelError, ProtocolError
-from asyncsync._control import HANDSHAKE_LIMIT, ControlStream, auth_mac, welcome_mac
-from asyncsync._protocol import MAX_TARGETS, Auth, Beat, Challenge, Group, Lost, Message, Transfer, Welcome, decode, encode
+from asyncsync._dist._control import HANDSHAKE_LIMIT, ControlStream, auth_mac, welcome_mac
+from asyncsync._wire._protocol import MAX_TARGETS, Auth, Beat, Challenge, Group, Lost, Message, Transfer, Welcome, decode, encode
 from tests._strategies import texts
 from tests.test_protocol import _decode_or_reject, _fix_length
 

@@ -18,7 +18,7 @@ from asyncsync import (
     WorkerLeftError,
     spawn_workers,
 )
-from asyncsync._ownership import slot_bound
+from asyncsync._core._ownership import slot_bound
 from tests._targets import fill_, kind_from_file_worker, make_model, simple_worker
 from tests.conftest import Cluster
 

@@ -23,7 +23,7 @@ from asyncsync import (
     WorkerDiedError,
     loopback_worker,
 )
-from asyncsync._protocol import (
+from asyncsync._wire._protocol import (
     _DTYPES,
     MAX_NDIM,
     MAX_SLOTS,

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncsync import AsyncQueue, BrokenChannelError, ClosedError, WouldBlock
-from asyncsync._queues import _frame_header
+from asyncsync._io._queues import _frame_header
 
 from ._queue_targets import blob, digest, echo, exchange, fd_reader, slow_reader
 from ._strategies import texts

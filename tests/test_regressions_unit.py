@@ -238,7 +238,7 @@ async def test_a_slot_cap_that_nothing_can_free_raises_capacity_error(asyncsync_
 async def test_a_slot_still_written_by_an_abandoned_receive_is_unmapped_only_when_it_is_done() -> None:
     """A relay's network receive cannot be stopped: closing the pool must not unmap its slot
     under it (the backend would write into freed memory); the slot is unmapped once it is done."""
-    from asyncsync._slots import Slot
+    from asyncsync._io._slots import Slot
 
     slot = Slot(0, 4096, transient=False)
     writer: asyncio.Future[None] = asyncio.get_running_loop().create_future()

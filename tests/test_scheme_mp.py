@@ -10,7 +10,7 @@ from anyio import wait_all_tasks_blocked
 from tensordict import TensorDict
 
 from asyncsync import WeightsError
-from asyncsync._ownership import slot_bound
+from asyncsync._core._ownership import slot_bound
 from tests._targets import fill_, make_model
 from tests.conftest import Cluster, assert_same
 

@@ -24,8 +24,8 @@ from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError, SyncTimeoutError, WorkerDiedError, WorkerError
 from .._options import DEFAULT, UseDefault
-from .._signal import Signal
 from .._stats import WorkerStatistics
+from ._signal import Signal
 
 __all__ = ["AckTracker", "WorkerRecord"]
 

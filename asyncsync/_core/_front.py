@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mappin
 from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError
-from .._layout import Layout
 from .._options import DEFAULT, Timeout, UseDefault, resolve_timeout
-from .._signal import Signal
 from ._acks import AckTracker, WorkerRecord
 from ._deadline import Deadline, locked_within
+from ._layout import Layout
 from ._offload import Offload
+from ._signal import Signal
 from ._source import SourceReader
 
 __all__ = ["SenderCore"]

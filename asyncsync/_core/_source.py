@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .._errors import WeightsError
-from .._layout import Layout
-from .._strategy import KnownSource, resolve_model, to_flat, validate
+from ._layout import Layout
+from ._strategy import KnownSource, resolve_model, to_flat, validate
 
 __all__ = ["ModelRef", "SourceReader", "configured_source"]
 

@@ -31,11 +31,14 @@ import torch
 __all__ = ["profile_sends"]
 
 _OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("sender", ("asyncsync/_sender.py", "asyncsync/_core/", "asyncsync/_ownership.py", "asyncsync/_slots.py", "asyncsync/_strategy.py", "asyncsync/_signal.py")),
-    ("receiver", ("asyncsync/_receiver.py",)),
-    ("channel", ("asyncsync/_queues.py", "asyncsync/_protocol.py", "sendmsg", "recvmsg_into")),
+    # _core/ minus _layout.py, which counts as "other"
+    ("sender", ("asyncsync/_local/_sender.py", "asyncsync/_core/_acks.py", "asyncsync/_core/_deadline.py", "asyncsync/_core/_front.py",
+                "asyncsync/_core/_offload.py", "asyncsync/_core/_source.py", "asyncsync/_core/_ownership.py", "asyncsync/_io/_slots.py",
+                "asyncsync/_core/_strategy.py", "asyncsync/_core/_signal.py")),
+    ("receiver", ("asyncsync/_local/_receiver.py",)),
+    ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_wire/_protocol.py", "sendmsg", "recvmsg_into")),
     ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),
-    ("torch copy", ("_foreach_copy_", "asyncsync/_staging.py")),
+    ("torch copy", ("_foreach_copy_", "asyncsync/_io/_staging.py")),
 )
 
 
@@ -88,7 +91,7 @@ def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top:
     """
     if workers < 1 or sends < 1:
         raise ValueError(f"need workers >= 1 and sends >= 1, got {workers}, {sends}")
-    from asyncsync._ownership import debug_enabled, set_debug
+    from asyncsync._core._ownership import debug_enabled, set_debug
 
     debug = debug_enabled()
     set_debug(False)  # the invariant checks (ASYNCSYNC_DEBUG) would dominate the profile

@@ -46,8 +46,8 @@ import aiomultiprocess
 import anyio
 from aiomultiprocess.types import Unit
 
-from ._errors import AsyncSyncError, BrokenChannelError, SyncTimeoutError, WorkerProcessError, WouldBlock
-from ._queues import AsyncQueue
+from .._errors import AsyncSyncError, BrokenChannelError, SyncTimeoutError, WorkerProcessError, WouldBlock
+from .._io._queues import AsyncQueue
 
 __all__ = ["WorkerGroup", "spawn_workers"]
 

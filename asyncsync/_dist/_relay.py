@@ -28,10 +28,8 @@ from typing import Any
 
 import torch
 
-from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, off_loop, welcome_mac
-from ._dataplane import SyncGroup
-from ._dist_sender import unless
-from ._errors import (
+from .._core._signal import Signal
+from .._errors import (
     AsyncSyncError,
     AuthenticationError,
     BrokenChannelError,
@@ -43,10 +41,12 @@ from ._errors import (
     WorkerDiedError,
     WorkerLeftError,
 )
-from ._options import DEFAULT, Timeout, resolve_timeout
-from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
-from ._sender import Sender, StillWriting
-from ._signal import Signal
+from .._local._sender import Sender, StillWriting
+from .._options import DEFAULT, Timeout, resolve_timeout
+from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
+from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, off_loop, welcome_mac
+from ._dataplane import SyncGroup
+from ._sender import unless
 
 __all__ = ["Relay"]
 

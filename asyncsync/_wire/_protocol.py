@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._errors import ProtocolError
-from ._layout import Layout, TensorSpec
+from .._core._layout import Layout, TensorSpec
+from .._errors import ProtocolError
 
 __all__ = [
     "HEADER_BYTES",

@@ -38,18 +38,18 @@ import torch
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from .._core._source import configured_source
+from .._core._strategy import Strategy, resolve_model, to_flat
+from .._errors import ClosedError
+from .._local._loopback import loopback_worker
+from .._local._receiver import Commit, CommitMode, OnUpdate
+from .._local._scheme import MultiProcessWeightSyncScheme, _check_device
+from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
+from .._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
 from ._control import resolve_token
-from ._core._source import configured_source
 from ._dataplane import DEFAULT_CHUNK_BYTES
-from ._dist_sender import DistSender, WorkerId
-from ._errors import ClosedError
-from ._loopback import loopback_worker
-from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
-from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
-from ._scheme import MultiProcessWeightSyncScheme, _check_device
-from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
-from ._strategy import Strategy, resolve_model, to_flat
+from ._sender import DistSender, WorkerId
 
 __all__ = ["DistributedWeightSyncScheme"]
 

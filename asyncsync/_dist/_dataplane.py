@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
-from ._errors import BrokenChannelError, format_seconds
+from .._errors import BrokenChannelError, format_seconds
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "SyncGroup"]
 

@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._errors import BrokenChannelError, ProtocolError, SyncTimeoutError, format_seconds
-from ._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
+from .._errors import BrokenChannelError, ProtocolError, SyncTimeoutError, format_seconds
+from .._wire._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
 
 __all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "off_loop", "resolve_token"]
 

@@ -33,14 +33,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._core._source import configured_source
-from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
+from .._core._source import configured_source
+from .._core._strategy import Strategy, as_user_weights, resolve_model, to_flat
+from .._io._slots import SlotPool
+from .._io._staging import device_problem
+from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
+from .._stats import ReceiverStatistics, SenderStatistics
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import Sender
-from ._slots import SlotPool
-from ._staging import device_problem
-from ._stats import ReceiverStatistics, SenderStatistics
-from ._strategy import Strategy, as_user_weights, resolve_model, to_flat
 
 __all__ = ["MultiProcessWeightSyncScheme"]
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._errors import WeightsError
+from .._errors import WeightsError
 from ._layout import Layout, TensorSpec, _storage_key
 
 __all__ = ["KnownSource", "Strategy", "named_tensors", "to_flat", "validate", "bind_targets", "as_user_weights", "resolve_model"]

@@ -33,13 +33,12 @@ from typing import Any
 import anyio
 import torch
 
-from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
-from ._core._acks import WorkerRecord
-from ._core._deadline import unless
-from ._core._front import SenderCore
-from ._core._offload import THREAD_COPY_BYTES
-from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
-from ._errors import (
+from .._core._acks import WorkerRecord
+from .._core._deadline import unless
+from .._core._front import SenderCore
+from .._core._layout import Layout
+from .._core._offload import THREAD_COPY_BYTES
+from .._errors import (
     AuthenticationError,
     BrokenChannelError,
     ClosedError,
@@ -50,11 +49,12 @@ from ._errors import (
     WorkerDiedError,
     WorkerLeftError,
 )
-from ._layout import Layout
-from ._options import DEFAULT, Timeout
-from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
-from ._staging import copy_tensors, stream_done
-from ._stats import DistributedStatistics, HostStatistics
+from .._io._staging import copy_tensors, stream_done
+from .._options import DEFAULT, Timeout
+from .._stats import DistributedStatistics, HostStatistics
+from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
+from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
+from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
 
 __all__ = ["DistSender", "WorkerId", "unless"]
 

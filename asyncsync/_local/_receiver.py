@@ -26,18 +26,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
+from .._core._layout import Layout
+from .._core._ownership import BufferRoles, Weights, debug_enabled
+from .._core._signal import Signal
+from .._core._strategy import Strategy, as_user_weights, bind_targets
+from .._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
+from .._io._queues import AsyncQueue
+from .._io._shm import Segment
+from .._io._staging import Stager, copy_tensors, device_problem
+from .._options import DEFAULT, UseDefault, resolve_timeout
+from .._stats import ReceiverStatistics
+from .._wire._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._faults import installed as _installed_faults
-from ._layout import Layout
-from ._options import DEFAULT, UseDefault, resolve_timeout
-from ._ownership import BufferRoles, Weights, debug_enabled
-from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
-from ._queues import AsyncQueue
-from ._shm import Segment
-from ._signal import Signal
-from ._staging import Stager, copy_tensors, device_problem
-from ._stats import ReceiverStatistics
-from ._strategy import Strategy, as_user_weights, bind_targets
 
 __all__ = ["Receiver"]
 

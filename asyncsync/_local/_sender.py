@@ -25,11 +25,13 @@ from typing import Any
 import anyio
 import torch
 
-from ._core._acks import WorkerRecord
-from ._core._deadline import Deadline
-from ._core._front import SenderCore
-from ._core._offload import THREAD_COPY_BYTES
-from ._errors import (
+from .._core._acks import WorkerRecord
+from .._core._deadline import Deadline
+from .._core._front import SenderCore
+from .._core._layout import Layout
+from .._core._offload import THREAD_COPY_BYTES
+from .._core._ownership import Ref, SlotLedger
+from .._errors import (
     BrokenChannelError,
     CapacityError,
     ClosedError,
@@ -40,14 +42,12 @@ from ._errors import (
     WorkerLeftError,
     WouldBlock,
 )
-from ._layout import Layout
-from ._options import DEFAULT, OnWorkerError, UseDefault
-from ._ownership import Ref, SlotLedger
-from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
-from ._queues import AsyncQueue
-from ._slots import Slot, SlotPool
-from ._staging import copy_tensors
-from ._stats import SenderStatistics
+from .._io._queues import AsyncQueue
+from .._io._slots import Slot, SlotPool
+from .._io._staging import copy_tensors
+from .._options import DEFAULT, OnWorkerError, UseDefault
+from .._stats import SenderStatistics
+from .._wire._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 
 __all__ = ["Sender"]
 

@@ -15,8 +15,8 @@ import asyncio
 
 import torch
 
-from ._layout import Layout
-from ._ownership import SlotLedger
+from .._core._layout import Layout
+from .._core._ownership import SlotLedger
 from ._shm import Segment
 
 __all__ = ["Slot", "SlotPool"]

@@ -43,7 +43,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-from ._errors import BrokenChannelError, ClosedError, WouldBlock, format_seconds
+from .._errors import BrokenChannelError, ClosedError, WouldBlock, format_seconds
 
 __all__ = ["AsyncQueue"]
 

@@ -1,0 +1,158 @@
+"""The package's folders are its layers: each imports only the layers below it.
+
+Every module under ``asyncsync/`` is parsed with :mod:`ast` (no import runs), each
+``import`` / ``from ... import`` of an ``asyncsync`` module (relative ones resolved, imports
+inside functions and under ``TYPE_CHECKING`` included) is mapped to its layer, and the
+direction is checked against :data:`ALLOWED`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "asyncsync"
+
+# The public vocabulary every layer may use: exceptions, statistics rows, options.
+VOCABULARY = {"asyncsync._errors", "asyncsync._stats", "asyncsync._options"}
+# Modules on top of everything: they may import any layer and no layer imports them.
+TOP = {"asyncsync", "asyncsync.testing", "asyncsync.torchrl", "asyncsync.soak", "asyncsync._stateful", "asyncsync.bench"}
+FOLDERS = {"_core": "core", "_wire": "wire", "_io": "io", "_local": "local", "_dist": "dist"}
+
+_BELOW = ["vocabulary", "core", "wire", "io", "local", "dist"]
+ALLOWED: dict[str, set[str]] = {
+    # _options checks a strategy's name against the core's table (_core imports _options back)
+    "vocabulary": {"vocabulary", "core"},
+    "core": {"vocabulary", "core"},
+    "wire": {"vocabulary", "core", "wire"},
+    "io": {"vocabulary", "core", "wire", "io"},
+    "local": {"vocabulary", "core", "wire", "io", "local"},
+    # a relay fans a transfer out through the local sender; the scheme reuses the local receiver
+    "dist": {"vocabulary", "core", "wire", "io", "local", "dist"},
+    "api": set(_BELOW),
+    "top": set(_BELOW) | {"api", "top"},
+}
+
+# Imports that go against the direction today, each with why it stays.
+EXCEPTIONS: set[tuple[str, str]] = {
+    # under TYPE_CHECKING only: SchemeOptions annotates its commit fields with the receiver's types
+    ("asyncsync._options", "asyncsync._local._receiver"),
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a dotted module name inside ``asyncsync``; None for an unplaced module."""
+    if module in VOCABULARY:
+        return "vocabulary"
+    if module == "asyncsync":
+        return "api"
+    parts = module.split(".")
+    if ".".join(parts[:2]) in TOP:
+        return "top"
+    if len(parts) >= 2 and parts[1] in FOLDERS:
+        return FOLDERS[parts[1]]
+    return None
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+    """Every ``asyncsync`` module that ``source`` (the text of ``module``) imports."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.add(base)
+            # `from .._io import _queues` imports a module; `from .. import Sender`, a name of the package
+            found.update(f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}"))
+    return {m for m in found if m == "asyncsync" or m.startswith("asyncsync.")}
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    importer = layer_of(module)
+    assert importer is not None, module
+    bad = []
+    for target in sorted(imported_modules(source, module, is_package)):
+        if (module, target) in EXCEPTIONS:
+            continue
+        imported = layer_of(target)
+        if imported is None or imported not in ALLOWED[importer]:
+            bad.append(f"{module} ({importer}) imports {target} ({imported})")
+    return bad
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_sits_in_a_layer() -> None:
+    unplaced = [module_name(p) for p in MODULES if layer_of(module_name(p)) is None]
+    assert not unplaced, f"put these in a layer folder (or add them to VOCABULARY/TOP in this test): {unplaced}"
+
+
+def test_imports_follow_the_layers() -> None:
+    bad = []
+    for path in MODULES:
+        name = module_name(path)
+        if layer_of(name) is not None:
+            bad += violations(path.read_text(), name, path.name == "__init__.py")
+    assert not bad, "\n".join(bad)
+
+
+def test_exceptions_are_still_needed() -> None:
+    """An exception that no longer happens is removed from the list, so it cannot hide a new one."""
+    for importer, target in EXCEPTIONS:
+        path = PACKAGE.parent / (importer.replace(".", "/") + ".py")
+        assert target in imported_modules(path.read_text(), importer, False), (importer, target)
+
+
+@pytest.mark.parametrize(
+    "module,source",
+    [
+        ("asyncsync._core._acks", "from .._local._sender import Sender\n"),
+        ("asyncsync._core._acks", "from .._io import _queues\n"),
+        ("asyncsync._wire._protocol", "def f():\n    from asyncsync._io._shm import Segment\n"),
+        ("asyncsync._io._queues", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .._local import _receiver\n"),
+        ("asyncsync._local._sender", "from .._dist._relay import Relay\n"),
+        ("asyncsync._local._sender", "import asyncsync.testing\n"),
+        ("asyncsync._dist._relay", "from .. import MultiProcessWeightSyncScheme\n"),
+        ("asyncsync._errors", "from ._local._workers import WorkerGroup\n"),
+        ("asyncsync._core._acks", "from .._unplaced import x\n"),
+    ],
+)
+def test_a_forbidden_import_is_caught(module: str, source: str) -> None:
+    assert violations(source, module)
+
+
+@pytest.mark.parametrize(
+    "module,source",
+    [
+        ("asyncsync._core._acks", "from .._errors import ClosedError\nfrom ._signal import Signal\n"),
+        ("asyncsync._wire._protocol", "from .._core._layout import Layout\n"),
+        ("asyncsync._io._queues", "from .._wire._protocol import encode\n"),
+        ("asyncsync._local._sender", "from .._io._slots import SlotPool\nfrom ._receiver import Receiver\n"),
+        ("asyncsync._dist._relay", "from .._local._sender import Sender\nfrom . import _control\n"),
+        ("asyncsync.testing", "from ._dist._scheme import DistributedWeightSyncScheme\n"),
+    ],
+)
+def test_an_allowed_import_passes(module: str, source: str) -> None:
+    assert violations(source, module) == []
