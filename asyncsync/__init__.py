@@ -29,6 +29,7 @@ from ._errors import (
     WorkerProcessError,
     WouldBlock,
 )
+from ._flat import flatten_parameters
 from ._layout import Layout, TensorSpec
 from ._loopback import loopback_worker
 from ._queues import AsyncQueue
@@ -69,6 +70,7 @@ __all__ = [
     "WorkerProcessError",
     "WorkerStatistics",
     "WouldBlock",
+    "flatten_parameters",
     "loopback_worker",
     "spawn_workers",
 ]

@@ -44,6 +44,7 @@ from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Stage
 from ._queues import AsyncQueue
 from ._signal import Signal
 from ._slots import Slot, SlotPool
+from ._flat import SpanCopier
 from ._staging import copy_tensors
 from ._stats import SenderStatistics, WorkerStatistics
 from ._strategy import KnownSource, to_flat, validate
@@ -153,6 +154,7 @@ class Sender:
     ) -> None:
         self._source_layout = source_layout
         self._layout = wire_layout
+        self._spans = SpanCopier(wire_layout)  # one copy per span of a flattened source
         self._sources = sources  # worker id -> what send(weights=None) reads for it
         self._pool = pool
         self._ledger = SlotLedger(manual=manual)
@@ -762,6 +764,9 @@ class Sender:
         dst = list(map(self._pool.views(slot).__getitem__, keys))
         if base is None:
             src = list(map(flat.__getitem__, keys))
+            fused = self._spans.pairs(self._pool.views_buffer(slot), src)
+            if fused is not None:
+                dst, src = fused
         else:
             base_views = self._pool.views(self._pool.get(base))
             src = [flat[k] if k in flat else base_views[k] for k in keys]
