@@ -21,6 +21,8 @@ __all__ = ["SpanCopier", "contiguous_runs", "flatten_parameters"]
 
 _ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+#: Bumped by every :func:`flatten_parameters`: a source found unmergeable is looked at again.
+_generation = 0
 
 
 def flatten_parameters(model: nn.Module) -> nn.Module:
@@ -44,6 +46,8 @@ def flatten_parameters(model: nn.Module) -> nn.Module:
     """
     from ._strategy import named_tensors
 
+    global _generation
+    _generation += 1
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in named_tensors(model).values():
         if t.layout != torch.strided or t.is_meta:
@@ -118,11 +122,13 @@ def contiguous_runs(layout: Layout, src: Sequence[torch.Tensor]) -> list[tuple[i
 class SpanCopier:
     """Copies a source into a wire buffer in as few ``copy_`` calls as its memory allows.
 
-    The runs are found once per source (by tensor identity) and re-checked cheaply on
-    every send (data pointers and strides, with C-level ``map``): a tensor whose memory
-    was replaced since (``p.data = other``) makes the runs be found again, so a span never
-    copies stale memory. The spans keep their storage alive, so a matching data pointer
-    really is the same memory.
+    The runs are found once and re-checked cheaply on every send (data pointers and
+    strides, with C-level ``map``; shapes and dtypes are the layout's, checked by the
+    sender): a tensor whose memory was replaced since (``p.data = other``) makes the runs
+    be found again, so a span never copies stale memory. The spans keep their storage
+    alive, so a matching data pointer really is the same memory. The same tensor objects
+    with nothing to merge cost one identity check per send (they are looked at again
+    after a :func:`flatten_parameters`).
     """
 
     def __init__(self, layout: Layout) -> None:
@@ -131,6 +137,7 @@ class SpanCopier:
         self._ptrs: list[int] = []
         self._strides: list[tuple[int, ...]] = []
         self._runs: list[tuple[int, int, torch.dtype, torch.Tensor]] | None = None
+        self._generation = -1
 
     def pairs(self, buffer: torch.Tensor, src: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """``(dst, src)`` for one fused copy of *src* (in layout order) into *buffer*, or None.
@@ -138,16 +145,15 @@ class SpanCopier:
         *buffer* is the wire buffer as uint8 (``layout.nbytes``). None: no span to merge,
         copy per tensor.
         """
-        if not (
-            len(src) == len(self._src)
-            and all(map(operator.is_, src, self._src))
-            and list(map(_ptr, src)) == self._ptrs
-            and list(map(_stride, src)) == self._strides
-        ):
+        same = len(src) == len(self._src) and all(map(operator.is_, src, self._src))
+        if same and self._runs is None and self._generation == _generation:
+            return None  # nothing to merge in this source: the per-tensor copy (always right)
+        ptrs, strides = list(map(_ptr, src)), list(map(_stride, src))
+        if ptrs != self._ptrs or strides != self._strides or (self._runs is None and self._generation != _generation):
+            self._generation = _generation
             self._runs = contiguous_runs(self.layout, src)
-            self._src = list(src)
-            self._ptrs = list(map(_ptr, src))
-            self._strides = list(map(_stride, src))
+            self._ptrs, self._strides = ptrs, strides
+        self._src = list(src)
         if self._runs is None:
             return None
         dst = [buffer[off : off + nb].view(dtype).view(span.shape) for off, nb, dtype, span in self._runs]
