@@ -115,3 +115,17 @@ async def test_same_memory_other_strides_is_not_sent_as_a_span() -> None:
         await scheme.send()
         assert torch.equal(lb.models[0][0].weight, torch.arange(9.0).view(3, 3).t())
         assert _equal(lb.models[0], trainer)
+
+
+async def test_a_fresh_state_dict_per_send_of_a_flattened_model() -> None:
+    trainer = flatten_parameters(make_model("bn"))
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, lambda: make_model("bn")) as lb:
+        for value in (1.0, 2.0, 3.0):
+            fill_(trainer, value)
+            await scheme.send(trainer.state_dict())  # new tensor objects, the same memory
+            assert _equal(lb.models[0], trainer)
+        trainer[0].weight.data = torch.full_like(trainer[0].weight, 9.0)  # now other memory
+        await scheme.send(trainer.state_dict())
+        assert bool((lb.models[0][0].weight == 9.0).all()) and _equal(lb.models[0], trainer)
