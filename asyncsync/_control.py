@@ -10,7 +10,8 @@ Authentication is an HMAC-SHA256 challenge in both directions over a shared toke
 ``token`` argument or ``ASYNCSYNC_TOKEN``): the trainer sends a random nonce, the relay
 answers with its MAC and a nonce of its own, the trainer answers that. The token never
 travels. The connection is the liveness signal: EOF, or no frame (heartbeats included)
-for ``3 x heartbeat`` seconds, means the peer is gone.
+for ``silence_timeout`` seconds, means the peer is gone. Heartbeats come from each
+stream's writer thread, so a peer whose event loop is blocked still beats.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ import hashlib
 import hmac
 import logging
 import os
+import select
+import socket
 import struct
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from ._errors import BrokenChannelError, ProtocolError, format_seconds
+from ._errors import BrokenChannelError, ProtocolError, SyncTimeoutError, format_seconds
 from ._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
 
-__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "resolve_token"]
+__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "off_loop", "resolve_token"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -64,24 +70,72 @@ def welcome_mac(token: bytes, nonce: bytes) -> bytes:
 
 
 class ControlStream:
-    """Protocol frames over one TCP connection; ``peer`` names the other end in errors."""
+    """Protocol frames over one TCP connection; ``peer`` names the other end in errors.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+    Frames are written by a small daemon thread of the stream's own, never by the loop:
+    ``send`` only queues them, so the loop never waits on a slow peer, and heartbeats
+    (:meth:`start_heartbeat`) keep going while the loop is blocked (a long synchronous
+    training step), which is what the peer's silence detection watches. Reading stays
+    on the loop. The thread ends when the stream is closed.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, peer: str) -> None:
         self.reader = reader
         self.writer = writer
         self.peer = peer
         self.limit = HANDSHAKE_LIMIT
+        self._read_task: asyncio.Task[tuple[bytes, bytes]] | None = None
+        self._cond = threading.Condition()
+        self._out: list[bytes] = []
+        self._queued = 0  # bytes handed to send() so far
+        self._written = 0  # bytes the thread wrote so far
+        self._beat: float | None = None
+        self._closing = False  # write what is queued, then end
+        self._abort = False  # end now, dropping what is queued
+        self._error: str | None = None
+        self._drains: list[tuple[int, asyncio.Future[None]]] = []
+        self._ended: asyncio.Future[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._fd = -1
+        if writer is not None:
+            raw = writer.get_extra_info("socket")
+            self._fd = raw.fileno()
+            # Our own descriptor of the same socket (its non-blocking flag is shared).
+            self._sock = socket.socket(fileno=os.dup(self._fd))
+            self._loop = asyncio.get_running_loop()
+            self._ended = self._loop.create_future()
+            self._thread = threading.Thread(target=self._run, name=f"asyncsync-control-{peer}", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ reading (on the loop)
 
     async def recv(self, timeout: float | None = None) -> Message:
         """The next message. Raises :class:`ProtocolError` (naming the peer) for a malformed
-        frame, :class:`BrokenChannelError` for EOF, a reset, or *timeout* seconds of silence."""
+        frame, :class:`BrokenChannelError` for EOF, a reset, or *timeout* seconds of silence.
+
+        Silence is judged on what arrived, not on the clock alone: if this loop was
+        blocked past the deadline while the peer's frames kept coming, it is no silence."""
+        if self._read_task is None:
+            self._read_task = asyncio.ensure_future(self._read())
+            self._read_task.add_done_callback(_retrieve)
+        task = self._read_task
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if done:
+                break
+            if not self._arrived():
+                task.cancel()
+                self._read_task = None
+                raise BrokenChannelError(f"{self.peer} sent nothing for {format_seconds(timeout)} (no heartbeat)")
+        self._read_task = None
+        if task.cancelled():  # the stream was closed meanwhile
+            raise BrokenChannelError(f"the connection to {self.peer} is closed")
         try:
-            header, payload = await asyncio.wait_for(self._read(), timeout)
+            header, payload = task.result()
         except asyncio.IncompleteReadError as exc:
             what = "closed the connection" if not exc.partial else f"closed the connection inside a frame ({len(exc.partial)} bytes read)"
             raise BrokenChannelError(f"{self.peer} {what}") from None
-        except (TimeoutError, asyncio.TimeoutError):
-            raise BrokenChannelError(f"{self.peer} sent nothing for {format_seconds(timeout)} (no heartbeat)") from None
         except ProtocolError as exc:
             raise ProtocolError(f"{self.peer}: {exc}") from None
         except OSError as exc:
@@ -91,38 +145,220 @@ class ControlStream:
         except ProtocolError as exc:
             raise ProtocolError(f"{self.peer}: {exc}") from None
 
+    def _arrived(self) -> bool:
+        """Bytes from the peer wait to be read (in the reader's buffer or the socket)."""
+        if len(getattr(self.reader, "_buffer", b"")) > 0:
+            return True
+        if self._fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        try:
+            return bool(poller.poll(0))
+        except OSError:
+            return False
+
     async def _read(self) -> tuple[bytes, bytes]:
         header = await self.reader.readexactly(HEADER_BYTES)
         n = payload_length(header, self.limit)
         return header, (await self.reader.readexactly(n) if n else b"")
 
+    # ------------------------------------------------------------------ writing (the thread)
+
     def send(self, msg: Message) -> None:
         """Queue *msg* for writing (never blocks); a closed stream raises :class:`BrokenChannelError`."""
-        if self.writer.is_closing():
-            raise BrokenChannelError(f"the connection to {self.peer} is closed")
-        self.writer.write(encode(msg))
+        data = encode(msg)
+        with self._cond:
+            if self._error is not None:
+                raise BrokenChannelError(f"the connection to {self.peer} is broken: {self._error}")
+            if self._closing or self._abort or self._thread is None:
+                raise BrokenChannelError(f"the connection to {self.peer} is closed")
+            self._out.append(data)
+            self._queued += len(data)
+            self._cond.notify()
 
-    async def heartbeat(self, every: float) -> None:
-        """Send a ``Beat`` every *every* seconds until the connection closes (the peer's liveness signal)."""
-        try:
-            while True:
-                await asyncio.sleep(every)
-                self.send(Beat())
-        except BrokenChannelError:
-            pass
+    def start_heartbeat(self, every: float) -> None:
+        """From now on, a ``Beat`` whenever nothing was written for *every* seconds (the
+        peer's liveness signal); sent by the stream's thread, whatever this loop does."""
+        with self._cond:
+            self._beat = every
+            self._cond.notify()
 
     async def drain(self) -> None:
+        """Until everything queued so far is written."""
+        with self._cond:
+            target = self._queued
+            if self._written >= target:
+                return
+            if self._error is not None or self._abort or self._thread is None:
+                raise BrokenChannelError(f"the connection to {self.peer} is closed")
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._drains.append((target, fut))
+        await fut
+
+    def _run(self) -> None:
+        beat = encode(Beat())
         try:
-            await self.writer.drain()
+            while True:
+                with self._cond:
+                    while not self._out and not self._closing and not self._abort:
+                        if not self._cond.wait(self._beat) and self._beat is not None:
+                            self._out.append(beat)
+                            self._queued += len(beat)
+                    if self._abort or not self._out:
+                        return
+                    data, self._out = b"".join(self._out), []
+                self._write_all(data)
+                with self._cond:
+                    self._written += len(data)
+                    ready = [f for n, f in self._drains if n <= self._written]
+                    self._drains = [(n, f) for n, f in self._drains if n > self._written]
+                for f in ready:
+                    self._to_loop(_settle, f, None)
         except OSError as exc:
-            raise BrokenChannelError(f"{self.peer}: {exc}") from None
+            with self._cond:
+                self._error = str(exc) or type(exc).__name__
+        finally:
+            with self._cond:
+                drains, self._drains = self._drains, []
+                error = self._error or "closed"
+            for _, f in drains:
+                self._to_loop(_settle, f, BrokenChannelError(f"the connection to {self.peer} is closed ({error})"))
+            assert self._ended is not None
+            self._to_loop(_settle, self._ended, None)
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        poller = select.poll()
+        poller.register(self._fd_of_thread(), select.POLLOUT)
+        while view:
+            if self._abort:
+                return
+            try:
+                n = os.write(self._fd_of_thread(), view)
+            except BlockingIOError:
+                n = 0
+            if n:
+                view = view[n:]
+            else:
+                poller.poll(200)  # writable again, or time to look at _abort
+
+    def _fd_of_thread(self) -> int:
+        assert self._sock is not None
+        return self._sock.fileno()
+
+    def _to_loop(self, fn: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        self.writer.close()
+        """End the connection now (what is still queued is dropped); the peer sees EOF."""
+        with self._cond:
+            self._abort = True
+            self._cond.notify()
+        self._shutdown()
 
     async def aclose(self) -> None:
-        self.writer.close()
+        """Write what is queued (at most 2 s), then end the connection and the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._ended is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._ended), 2.0)
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+        self.close()
+        await self.wait_closed()
+
+    async def wait_closed(self) -> None:
+        """Until the thread ended and the socket is closed (after :meth:`close`)."""
+        if self._ended is not None:
+            await asyncio.shield(self._ended)
+        if self._thread is not None:
+            self._thread.join()  # it has ended: instant
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.writer is not None:
+            try:
+                await asyncio.wait_for(self.writer.wait_closed(), 2.0)
+            except (OSError, TimeoutError, asyncio.TimeoutError):
+                pass
+        if self._read_task is not None:
+            self._read_task.cancel()
+            await asyncio.wait({self._read_task})
+            self._read_task = None
+
+    def _shutdown(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # FIN now, whoever else holds the socket
+            except OSError:
+                pass
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # a read left behind by a closed stream reports nothing
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[[], T], timeout: float | None, what: str) -> T:
+    """*fn()* in a daemon thread, awaited for at most *timeout* seconds; the loop never
+    waits for the thread. A blocking call that cannot be interrupted (a store client
+    connecting, a store wait) is left to finish on its own when this times out
+    (:class:`SyncTimeoutError` saying *what* it waited for) or is cancelled; its result
+    is dropped. A failure of *fn* is raised as it is."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+    fut.add_done_callback(_retrieve)
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        result, exc = None, None
         try:
-            await asyncio.wait_for(self.writer.wait_closed(), 2.0)
-        except (OSError, TimeoutError, asyncio.TimeoutError):
+            result = fn()
+        except BaseException as e:  # delivered to the loop
+            exc = e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is closed: nobody waits any more
             pass
+
+    thread = threading.Thread(target=run, name="asyncsync-blocking-call", daemon=True)
+    thread.start()
+    try:
+        await asyncio.wait({fut}, timeout=timeout)
+    finally:
+        if not fut.done():
+            fut.cancel()  # timed out or cancelled: the thread's result is dropped
+    if fut.cancelled():
+        raise SyncTimeoutError(what, {}, timeout)
+    thread.join()  # it has delivered its result: instant
+    return fut.result()

@@ -27,14 +27,17 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Coroutine, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import anyio
 import torch
 
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
+from ._core._acks import WorkerRecord
+from ._core._deadline import unless
+from ._core._front import SenderCore
+from ._core._offload import THREAD_COPY_BYTES
 from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
 from ._errors import (
     AuthenticationError,
@@ -45,24 +48,19 @@ from ._errors import (
     SyncTimeoutError,
     WeightsError,
     WorkerDiedError,
-    WorkerError,
     WorkerLeftError,
 )
 from ._layout import Layout
+from ._options import DEFAULT, Timeout
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
-from ._sender import ModelRef
-from ._signal import Signal
 from ._staging import copy_tensors, stream_done
-from ._stats import DistributedStatistics, HostStatistics, WorkerStatistics
-from ._strategy import KnownSource, to_flat, validate
+from ._stats import DistributedStatistics, HostStatistics
 
 __all__ = ["DistSender", "WorkerId", "unless"]
 
 logger = logging.getLogger("asyncsync")
 
 WorkerId = tuple[int, int]
-T = TypeVar("T")
-_THREAD_COPY_BYTES = 4 << 20
 
 
 class _Buf:
@@ -82,27 +80,14 @@ class _Buf:
         self.ranges: tuple[tuple[int, int], ...] = ()
 
 
-class _RemoteWorker:
-    def __init__(self, wid: WorkerId) -> None:
-        self.wid = wid
-        self.state = "waiting"  # waiting | connected | dead | left | stopped
-        self.latest: _Buf | None = None
-        self.sent = -1
-        self.applied = -1
-        self.responded = -1
-        self.rejected = -1
-        self.last_error: str | None = None
-        self.stage_s = self.commit_s = 0.0
-        self.death: WorkerDiedError | None = None
-        self.exitcode: int | None = None
+class _RemoteWorker(WorkerRecord):
+    """One remote worker: its delivery state (kept by the :class:`AckTracker`) and the
+    buffer holding its newest version."""
 
-    def reset(self) -> None:
-        """A new connection of its host: nothing it answered before counts."""
-        self.state = "waiting"
-        self.applied = self.responded = self.rejected = -1
-        self.last_error = None
-        self.death = None
-        self.exitcode = None
+    def __init__(self, wid: WorkerId) -> None:
+        super().__init__(wid)
+        self.wid: WorkerId = wid
+        self.latest: _Buf | None = None
 
 
 class _Host:
@@ -124,9 +109,10 @@ class _Host:
         # (a partial update travels as a delta only to workers that hold its base).
         self.landed: dict[int, set[int]] = {}
         self.tasks: list[asyncio.Task[None]] = []
+        self.busy = False  # a transfer to this host is in flight
 
 
-class DistSender:
+class DistSender(SenderCore[WorkerId, _RemoteWorker]):
     """Pushes weights to workers on remote hosts; created by ``init_on_sender``."""
 
     def __init__(
@@ -150,17 +136,11 @@ class DistSender:
         backend: str = "gloo",
         device: torch.device | None = None,
     ) -> None:
-        self._source_layout = source_layout
-        self._layout = wire_layout
         self._source = source
         self._store = store
         self._token = token
         self._bind = bind
         self._port = port
-        self.sync = sync
-        self.timeout = timeout
-        self.on_worker_error = on_worker_error
-        self.check_finite = check_finite
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
         self.silence_timeout = silence_timeout
@@ -168,17 +148,13 @@ class DistSender:
         self.device = device  # where the snapshots live and travel from (None: host memory)
         self._hosts = {h: _Host(h, n) for h, n in sorted(hosts.items())}
         self._workers: dict[WorkerId, _RemoteWorker] = {w.wid: w for h in self._hosts.values() for w in h.workers.values()}
+        super().__init__(
+            self._workers, source_layout=source_layout, wire_layout=wire_layout, sync=sync, timeout=timeout, on_worker_error=on_worker_error, check_finite=check_finite
+        )
         self._bufs: list[_Buf] = []
         self._serial = 0
-        self._known: KnownSource | None = None
-        self._state = "new"
-        self._version = -1
-        self._sends = 0
         self._bytes_sent = 0
         self._last_send_bytes = 0
-        self._last_copy_s = 0.0
-        self._changed = Signal()
-        self._send_lock: asyncio.Lock | None = None
         self._server: asyncio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._group: SyncGroup | None = None
@@ -186,29 +162,20 @@ class DistSender:
         self._generation = 0
         self._regroup = True
         self._tag = 0
-        self._executor: ThreadPoolExecutor | None = None
+        self._transfers: set[asyncio.Task[None]] = set()  # in flight, at most one per host
+        self._last_send_version = -1
+        self._last_send_parts: dict[tuple[int, ...], int] = {}
+        self._streams: set[ControlStream] = set()  # every control connection not yet closed
         self.address: tuple[str, int] | None = None
 
     # ----------------------------------------------------------------- public API
 
     @property
-    def worker_ids(self) -> list[WorkerId]:
-        return list(self._workers)
-
-    @property
     def hosts(self) -> list[int]:
         return list(self._hosts)
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
-
-    def applied_versions(self) -> dict[WorkerId, int]:
-        return {wid: w.applied for wid, w in self._workers.items()}
+    async def _open(self) -> None:
+        await self.start()
 
     async def start(self) -> None:
         """Listen for relays (on ``bind``) and publish the address in the store."""
@@ -225,38 +192,27 @@ class DistSender:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._pump(), name="asyncsync-dist-pump"))
 
-    async def connect(self, timeout: float | None | object = ..., weights: Any = None) -> int:
+    async def connect(self, timeout: Timeout = DEFAULT, weights: Any = None) -> int:
         """Start, send version 0 to every worker of every host, wait for every ack."""
-        await self.start()
-        deadline = _deadline(self._limit(timeout))
-        if self._version < 0:
-            await self.send_async(weights)
-        await self.wait_async(version=0, timeout=_remaining(deadline), what="connect")
-        return 0
+        return await self._connect(timeout, weights)
 
-    async def send(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: float | None | object = ...) -> int:
-        targets = self._targets(worker_ids)
-        deadline = _deadline(self._limit(timeout))
-        version = await self.send_async(weights, targets, partial=partial)
-        if self.sync:
-            await self.wait_async(version, targets, timeout=_remaining(deadline), what=f"send of version {version}")
-        return version
+    async def send(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> int:
+        """Snapshot *weights*; with ``sync`` wait until every targeted worker applied them
+        (*timeout* bounds the whole call)."""
+        return await self._send(weights, worker_ids, partial, timeout)
 
-    async def send_async(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: float | None | object = ...) -> int:
-        """Snapshot *weights* into a wire buffer and hand it to the transfer task."""
-        self._check_running()
+    async def send_async(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> int:
+        """Snapshot *weights* into a wire buffer and hand it to the transfer task.
+
+        Never waits for a host; *timeout* bounds the wait for another send's snapshot.
+        """
         targets = self._targets(worker_ids)
-        if self.on_worker_error == "raise":
-            for wid in targets:
-                w = self._workers[wid]
-                if w.state in ("dead", "left") and w.death is not None:
-                    raise w.death
+        self._before_send(targets)
         flat = self._flat(weights, partial)
-        assert self._send_lock is not None
-        async with self._send_lock:
+        async with self._sending(timeout):
             self._check_running()
             by_base: dict[int, tuple[_Buf | None, list[WorkerId]]] = {}
-            full = len(flat) == len(self._source_layout.specs)
+            full = self._reader.is_whole(flat)
             for wid in targets:
                 base = None if full else self._workers[wid].latest
                 if not full and base is None:
@@ -298,69 +254,16 @@ class DistSender:
         worker_ids: Any = None,
         *,
         quorum: int | None = None,
-        timeout: float | None | object = ...,
+        timeout: Timeout = DEFAULT,
         what: str | None = None,
     ) -> None:
         """Wait until the targeted workers applied *version* (see the local scheme)."""
-        if self._state == "closed":
-            raise ClosedError("the sender is closed")
-        if version is not None and version > self._version:
-            raise ValueError(f"version {version} was not sent yet (the newest is {self._version})")
-        targets = self._targets(worker_ids)
-        wanted = {wid: (self._workers[wid].sent if version is None else version) for wid in targets}
-        wanted = {wid: v for wid, v in wanted.items() if v >= 0 and self._workers[wid].sent >= v}
-        need = len(wanted) if quorum is None else quorum
-        if need > len(wanted):
-            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
-        limit = self._limit(timeout)
-
-        def settled() -> bool:
-            if self._settled(wanted, need, quorum is not None):
-                return True
-            if self._state == "closed":
-                raise ClosedError("the sender was closed while waiting")
-            return False
-
-        if not await self._changed.wait_until(settled, limit):
-            pending = {wid: self._workers[wid].applied for wid, v in wanted.items() if self._workers[wid].applied < v}
-            raise SyncTimeoutError(what or "wait_async", pending, limit)  # type: ignore[arg-type]
-
-    def _settled(self, wanted: dict[WorkerId, int], need: int, quorum: bool) -> bool:
-        done = open_ = 0
-        failure: BaseException | None = None
-        for wid, v in wanted.items():
-            w = self._workers[wid]
-            if w.state == "connected" and w.applied >= v:
-                done += 1
-            elif w.state == "connected" and w.responded >= v:
-                failure = failure or WorkerError(wid, w.rejected, w.last_error or "rejected")  # type: ignore[arg-type]
-            elif w.state in ("dead", "left"):
-                if self.on_worker_error == "skip" and not quorum:
-                    done += 1
-                else:
-                    assert w.death is not None
-                    failure = failure or w.death
-            elif w.state == "stopped":
-                failure = failure or ClosedError(f"worker {wid} stopped before applying version {v}")
-            else:
-                open_ += 1
-        if done >= need:
-            return True
-        if failure is not None and (not quorum or done + open_ < need):
-            raise failure
-        return False
+        await self._wait(version, worker_ids, quorum, timeout, what)
 
     async def wait_joined(self, host: int, timeout: float | None = None) -> None:
         """Wait until *host* is connected and each of its workers answered its newest version."""
         h = self._host(host)
-
-        def joined() -> bool:
-            if self._state != "running":
-                raise ClosedError("the sender is closed")
-            return h.state == "connected" and all(w.state == "connected" and w.responded >= w.sent for w in h.workers.values())
-
-        if not await self._changed.wait_until(joined, timeout):
-            raise SyncTimeoutError(f"waiting for host {host} to join", {w.wid: w.applied for w in h.workers.values()}, timeout)  # type: ignore[misc]
+        await self._acks.wait_joined([w.wid for w in h.workers.values()], timeout, f"waiting for host {host} to join")
 
     async def wait_lost(self, host: int, timeout: float | None = None) -> None:
         """Wait until the trainer has declared *host* lost."""
@@ -369,26 +272,7 @@ class DistSender:
             raise SyncTimeoutError(f"waiting for host {host} to be declared lost", {}, timeout)
 
     def statistics(self) -> DistributedStatistics:
-        workers = []
-        for wid, w in self._workers.items():
-            h = self._hosts[wid[0]]
-            workers.append(
-                WorkerStatistics(
-                    worker_idx=wid,
-                    state=w.state,
-                    pid=None,
-                    exitcode=w.exitcode,
-                    sent_version=w.sent,
-                    applied_version=w.applied,
-                    lag=max(self._version - w.applied, 0) if w.sent >= 0 else 0,
-                    last_error=w.last_error,
-                    stage_ms=w.stage_s * 1e3,
-                    commit_ms=w.commit_s * 1e3,
-                    generation=h.connections,
-                    in_flight_version=None,
-                    reason=w.death.reason if w.death is not None else None,
-                )
-            )
+        workers = self._acks.rows(self._version, lambda w: {"pid": None, "generation": self._hosts[w.wid[0]].connections})
         hosts = tuple(
             HostStatistics(
                 host=h.idx,
@@ -413,27 +297,20 @@ class DistSender:
             generation=self._generation,
             members=tuple(self._members),
             hosts=hosts,
-            workers=tuple(workers),
+            workers=workers,
         )
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """``Stop`` every relay (they stop their workers), wait (bounded), release everything."""
         if self._state == "closed":
             return
-        was_running = self._state == "running"
-        self._state = "closing"
-        self._changed.notify()
         with anyio.CancelScope(shield=True):
-            if was_running:
-                for h in self._hosts.values():
-                    if h.state == "connected" and h.stream is not None:
-                        try:
-                            h.stream.send(Stop())
-                        except BrokenChannelError:
-                            pass
-                await self._changed.wait_until(lambda: all(h.state != "connected" for h in self._hosts.values()), timeout)
-            self._state = "closed"
-            self._changed.notify()
+            await self._stop_peers(
+                timeout,
+                True,
+                lambda: [h.stream for h in self._hosts.values() if h.state == "connected" and h.stream is not None],
+                lambda stream: stream.send(Stop()),
+            )
             if self._server is not None:
                 self._server.close()
             tasks = self._tasks + [t for h in self._hosts.values() for t in h.tasks]
@@ -444,18 +321,17 @@ class DistSender:
             self._tasks = []
             for h in self._hosts.values():
                 h.tasks = []
-                if h.stream is not None:
-                    await h.stream.aclose()
-                    h.stream = None
+                h.stream = None
+            streams, self._streams = list(self._streams), set()
+            for stream in streams:  # (those of lost hosts are closed already: their threads end)
+                await stream.aclose()
             if self._server is not None:
                 await self._server.wait_closed()
                 self._server = None
             if self._group is not None:
                 self._group.close()
                 self._group = None
-            if self._executor is not None:
-                ex, self._executor = self._executor, None
-                ex.shutdown(wait=True)
+            self._copier.close()
             self._bufs = []
             self._store = None
             for w in self._workers.values():
@@ -465,15 +341,6 @@ class DistSender:
 
     # ----------------------------------------------------------------- sends
 
-    def _limit(self, timeout: float | None | object) -> float | None:
-        return self.timeout if timeout is ... else timeout  # type: ignore[return-value]
-
-    def _check_running(self) -> None:
-        if self._state == "new":
-            raise RuntimeError("call `await scheme.connect()` before sending")
-        if self._state != "running":
-            raise ClosedError("the sender is closed")
-
     def _host(self, host: int) -> _Host:
         try:
             return self._hosts[host]
@@ -482,37 +349,12 @@ class DistSender:
 
     def _targets(self, worker_ids: Any) -> list[WorkerId]:
         """``None`` (all), a ``(host, local)`` pair, or a list of them."""
-        if worker_ids is None:
-            return list(self._workers)
-        ids = [worker_ids] if isinstance(worker_ids, tuple) else list(worker_ids)
-        out: list[WorkerId] = []
-        for wid in ids:
-            if not (isinstance(wid, tuple) and len(wid) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in wid)):
-                raise TypeError(f"worker id {wid!r} is not a (host, local index) pair")
-            if wid not in self._workers:
-                raise ValueError(f"unknown worker id {wid!r}; workers are {sorted(self._workers)}")
-            out.append(wid)
-        if not out:
-            raise ValueError("worker_ids is empty")
-        return list(dict.fromkeys(out))
+        return self._parse_targets(worker_ids, _is_pair, "a (host, local index) pair")
 
-    def _flat(self, weights: Any, partial: bool) -> dict[str, torch.Tensor] | Any:
+    def _flat(self, weights: Any, partial: bool) -> dict[str, torch.Tensor]:
         if weights is None:
-            source = self._source.resolve() if isinstance(self._source, ModelRef) else self._source
-            known = self._known
-            flat = known.current() if known is not None and known.obj is source else None
-            if flat is None:
-                flat = to_flat(source, self._source_layout)
-                validate(flat, self._source_layout, check_finite=self.check_finite, wire_layout=self._layout)
-                self._known = KnownSource.of(source, flat)
-            elif self.check_finite:
-                validate(flat, self._source_layout, check_finite=True, wire_layout=self._layout)
-            return flat
-        flat = to_flat(weights, self._source_layout)
-        if not flat:
-            raise WeightsError("the weights hold no tensors")
-        validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite, wire_layout=self._layout)
-        return flat
+            return self._reader.source(self._reader.resolve(self._source), self.check_finite)
+        return self._reader.weights(weights, partial, self.check_finite)
 
     def _free_buf(self) -> _Buf:
         for buf in self._bufs:
@@ -527,15 +369,20 @@ class DistSender:
         dst = [buf.views[k] for k in keys]
         src = [flat[k] if k in flat else base.views[k] for k in keys]  # type: ignore[union-attr]
         t0 = time.perf_counter()
-        if self._layout.nbytes < _THREAD_COPY_BYTES:
+        if self._layout.nbytes < THREAD_COPY_BYTES:
             copy_tensors(dst, src)
             if self.device is not None and self.device.type == "cuda":
                 await stream_done(torch.cuda.current_stream(self.device))  # polled: the loop never synchronizes
         else:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
-            cfut = self._executor.submit(_copy_snapshot, dst, src, self.device)
-            await asyncio.shield(asyncio.wrap_future(cfut))
+
+            def keep() -> None:  # the copy thread still writes it: reserved until it is done
+                buf.transfers += 1
+
+            def release() -> None:
+                buf.transfers -= 1
+                self._changed.notify()
+
+            await self._copier.run(_copy_snapshot, dst, src, self.device, keep=keep, release=release)
         self._last_copy_s = time.perf_counter() - t0
 
     def _assign(self, w: _RemoteWorker, buf: _Buf) -> None:
@@ -545,7 +392,7 @@ class DistSender:
             old.owners -= 1
         w.latest = buf
         buf.owners += 1
-        w.sent = buf.version
+        self._acks.sent(w.wid, buf.version)
         h = self._hosts[w.wid[0]]
         local = w.wid[1]
         for key in list(h.pending):
@@ -558,23 +405,73 @@ class DistSender:
     # ----------------------------------------------------------------- the pump
 
     async def _pump(self) -> None:
-        """Form the group when membership changed, then move pending versions to hosts."""
-        while self._state == "running":
-            await self._changed.wait_until(lambda: self._state != "running" or self._work_to_do(), None)
-            if self._state != "running":
-                return
-            if self._regroup:
-                await self._form_group()
-                continue
-            await self._transfer_next()
+        """Form the group when membership changed; else start a transfer for every idle
+        host with something pending. One transfer is in flight per host at most: a busy
+        host (still landing, or its relay not answering) is left out, and gets its
+        workers' newest version once it is done (latest wins), never holding up the others."""
+        try:
+            while self._state == "running":
+                await self._changed.wait_until(lambda: self._state != "running" or self._work_to_do(), None)
+                if self._state != "running":
+                    return
+                if self._regroup:
+                    await self._end_transfers()
+                    await self._form_group()
+                    continue
+                self._start_transfers()
+        finally:
+            await self._end_transfers()
 
     def _connected(self) -> list[int]:
         return [h.idx for h in self._hosts.values() if h.state == "connected"]
 
+    def _idle(self) -> list[int]:
+        """Members with a version pending and no transfer in flight."""
+        return [h for h in self._members if self._hosts[h].pending and self._hosts[h].state == "connected" and not self._hosts[h].busy]
+
     def _work_to_do(self) -> bool:
         if self._regroup:
-            return bool(self._connected()) or bool(self._members)
-        return any(self._hosts[h].pending and self._hosts[h].state == "connected" for h in self._members)
+            return bool(self._connected()) or bool(self._members) or bool(self._transfers)
+        return bool(self._idle())
+
+    def _start_transfers(self) -> None:
+        idle = self._idle()
+        if not idle:
+            return
+        loop = asyncio.get_running_loop()
+        if len(idle) == len(self._members) and not self._transfers:
+            # Everybody idle and waiting for the same version: one broadcast.
+            key = min(k for h in idle for k in self._hosts[h].pending)
+            if all(key in self._hosts[h].pending for h in idle):
+                self._spawn(loop, idle, key)
+                return
+        for h in idle:
+            self._spawn(loop, [h], min(self._hosts[h].pending))
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, hosts: list[int], key: tuple[int, int]) -> None:
+        for h in hosts:
+            self._hosts[h].busy = True
+        task = loop.create_task(self._transfer(hosts, key), name=f"asyncsync-dist-transfer-{key[0]}-{hosts}")
+        self._transfers.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._transfers.discard(t)
+            for h in hosts:
+                self._hosts[h].busy = False
+            if not t.cancelled() and t.exception() is not None:
+                logger.error("asyncsync: transfer of version %d to hosts %s failed", key[0], hosts, exc_info=t.exception())
+            self._changed.notify()
+
+        task.add_done_callback(done)
+
+    async def _end_transfers(self) -> None:
+        """Give up every transfer in flight (before the group re-forms); each one's buffer
+        stays held until the backend is done with it."""
+        tasks = list(self._transfers)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _form_group(self) -> None:
         self._regroup = False
@@ -632,12 +529,11 @@ class DistSender:
     def _group_timeout(self) -> float:
         return self.timeout if self.timeout is not None else 300.0
 
-    async def _transfer_next(self) -> None:
-        """Move the oldest pending version: a broadcast if every member waits for it."""
+    async def _transfer(self, hosts: list[int], key: tuple[int, int]) -> None:
+        """Move pending *key* to *hosts*: a broadcast if they are every member, else
+        point-to-point (one host, its own tags)."""
         group = self._group
         assert group is not None
-        key = min(k for h in self._members for k in self._hosts[h].pending if self._hosts[h].state == "connected")
-        hosts = [h for h in self._members if key in self._hosts[h].pending and self._hosts[h].state == "connected"]
         buf = self._hosts[hosts[0]].pending[key][0]
         version = key[0]
         p2p = set(hosts) != set(self._members)
@@ -666,8 +562,16 @@ class DistSender:
             copies = 1
         else:
             copies = max(1, (len(self._members) + 1 - 1).bit_length())
-        self._last_send_bytes = (sum(n for _, n in ranges) if delta else self._layout.nbytes) * copies
-        self._bytes_sent += self._last_send_bytes
+        moved = (sum(n for _, n in ranges) if delta else self._layout.nbytes) * copies
+        self._bytes_sent += moved
+        # A version may travel in several transfers (one per host when they are not all
+        # idle): last_send_bytes adds up those of the newest version transferred, the
+        # last one to each set of hosts (a repeat after a regroup replaces the first).
+        if version > self._last_send_version:
+            self._last_send_version, self._last_send_parts = version, {}
+        if version == self._last_send_version:
+            self._last_send_parts[tuple(hosts)] = moved
+            self._last_send_bytes = sum(self._last_send_parts.values())
 
         def release() -> None:
             buf.transfers -= 1
@@ -687,7 +591,8 @@ class DistSender:
                 await group.broadcast(data, 0, release)
             return True
 
-        connections = {h: self._hosts[h].connections for h in self._members}
+        # A broadcast needs every member; a point-to-point transfer only its host.
+        connections = {h: self._hosts[h].connections for h in (hosts if p2p else self._members)}
 
         def member_lost() -> bool:  # (a host that connected again was lost in between, too)
             return self._state != "running" or any(
@@ -727,6 +632,7 @@ class DistSender:
         addr = writer.get_extra_info("peername")
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
         stream = ControlStream(reader, writer, f"relay at {peer}")
+        self._streams.add(stream)
         try:
             host = await asyncio.wait_for(self._handshake(stream), 10.0)
         except (ProtocolError, AuthenticationError, BrokenChannelError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
@@ -741,9 +647,18 @@ class DistSender:
             return
         h = self._hosts[host.host]
         if h.stream is not None:
+            # The newest connection wins (a restarted host may come back before its old
+            # connection is noticed dead); the old relay is told why it is dropped.
             old = h.stream
             self._lose(h, "it connected again (the old connection is dropped)", state="dead")
-            old.close()
+            try:
+                old.send(Bye(h.idx, -1, f"replaced by another relay for host {h.idx} (pid {host.pid} at {peer})"))
+            except BrokenChannelError:
+                pass
+            await old.aclose()
+            if self._state != "running" or h.stream is not None:
+                await stream.aclose()
+                return
         stream.limit = FRAME_LIMIT
         h.stream = stream
         h.state = "connected"
@@ -754,7 +669,7 @@ class DistSender:
         h.delivered = -1
         h.pending.clear()
         for w in h.workers.values():
-            w.reset()
+            self._acks.expect(w.wid, h.connections)  # nothing it answered before counts
         self._requeue(h)  # each worker's newest version goes first
         try:
             stream.send(Setup(self._layout, None, os.getpid()))
@@ -764,7 +679,8 @@ class DistSender:
         for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
             t.cancel()
         h.tasks = [t for t in h.tasks if not t.done()]
-        h.tasks += [loop.create_task(self._read_loop(h, stream)), loop.create_task(stream.heartbeat(self.heartbeat))]
+        h.tasks.append(loop.create_task(self._read_loop(h, stream)))
+        stream.start_heartbeat(self.heartbeat)
         self._regroup = True
         logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
         self._changed.notify()
@@ -811,24 +727,16 @@ class DistSender:
                 self._lose(h, str(exc))
         finally:
             stream.close()
+            await stream.wait_closed()
+            self._streams.discard(stream)
 
     def _on_ack(self, h: _Host, ack: Ack) -> None:
         w = h.workers.get(ack.worker_idx)
         if w is None:
             logger.warning("asyncsync: host %d acked unknown worker %d", h.idx, ack.worker_idx)
             return
-        if w.state in ("waiting", "dead", "left"):
-            w.state = "connected"  # its first answer on this connection (or a replacement process)
-            w.death = None
-        w.responded = max(w.responded, ack.version)
-        if ack.ok:
-            w.applied = max(w.applied, ack.version)
-            w.last_error = None
-            w.stage_s, w.commit_s = ack.stage_s, ack.commit_s
-        else:
-            w.rejected = max(w.rejected, ack.version)
-            w.last_error = ack.error
-        self._changed.notify()
+        self._acks.connected(w.wid)  # its first answer on this connection (or a replacement process)
+        self._acks.ack(w.wid, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)
 
     def _on_worker_lost(self, h: _Host, msg: Lost) -> None:
         w = h.workers.get(msg.worker_idx)
@@ -836,29 +744,22 @@ class DistSender:
             return
         wid = w.wid
         if msg.exitcode is None:
-            w.state = "left"
-            w.death = WorkerLeftError(wid, f"{msg.reason} (on host {h.idx})", w.applied)  # type: ignore[arg-type]
+            self._acks.lost(wid, "left", WorkerLeftError(wid, f"{msg.reason} (on host {h.idx})", w.applied))  # type: ignore[arg-type]
         else:
-            w.state = "dead"
-            w.exitcode = msg.exitcode
-            w.death = WorkerDiedError(wid, msg.exitcode, None, f"on host {h.idx}: {msg.reason}")  # type: ignore[arg-type]
-        w.applied = w.responded = -1
-        self._changed.notify()
+            self._acks.lost(wid, "dead", WorkerDiedError(wid, msg.exitcode, None, f"on host {h.idx}: {msg.reason}"), msg.exitcode)  # type: ignore[arg-type]
 
     def _lose(self, h: _Host, reason: str, state: str = "dead") -> None:
         """Host *h* is gone: name it, with each of its workers, and re-form the group."""
         if self._state in ("closing", "closed"):
             h.state = "stopped"
             for w in h.workers.values():
-                if w.state == "connected":
-                    w.state = "stopped"
+                self._acks.stopped(w.wid)
         else:
             h.state = state
             h.reason = reason
             logger.warning("asyncsync: host %d lost: %s", h.idx, reason)
             for w in h.workers.values():
-                w.state = "dead"
-                w.death = HostLostError(h.idx, w.wid, reason, h.pid)
+                self._acks.lost(w.wid, "dead", HostLostError(h.idx, w.wid, reason, h.pid))
         h.stream = None
         self._regroup = True  # without it (also while a generation is forming)
         self._changed.notify()
@@ -890,26 +791,5 @@ def _copy_snapshot(dst: list[torch.Tensor], src: list[torch.Tensor], device: tor
         torch.cuda.current_stream(device).synchronize()  # the snapshot is complete when send_async returns
 
 
-async def unless(work: Coroutine[Any, Any, T], stop: Coroutine[Any, Any, Any]) -> T | None:
-    """*work*'s result, or None if *stop* finished first (then *work* is cancelled)."""
-    work_task = asyncio.ensure_future(work)
-    stop_task = asyncio.ensure_future(stop)
-    try:
-        await asyncio.wait({work_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
-        await asyncio.wait({work_task, stop_task})
-    if work_task.cancelled():
-        return None
-    return work_task.result()
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
+def _is_pair(wid: object) -> bool:
+    return isinstance(wid, tuple) and len(wid) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in wid)

@@ -29,29 +29,31 @@ import asyncio
 import datetime
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Coroutine, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ._control import resolve_token
+from ._core._source import configured_source
 from ._dataplane import DEFAULT_CHUNK_BYTES
 from ._dist_sender import DistSender, WorkerId
-from ._layout import Layout
+from ._errors import ClosedError
 from ._loopback import loopback_worker
+from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from ._receiver import Commit, CommitMode, OnUpdate
 from ._relay import Relay
-from ._scheme import MultiProcessWeightSyncScheme, _lookup
-from ._sender import ModelRef, OnWorkerError
+from ._scheme import MultiProcessWeightSyncScheme, _check_device
 from ._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
-from ._strategy import STRATEGIES, Strategy, resolve_model, to_flat
+from ._strategy import Strategy, resolve_model, to_flat
 
 __all__ = ["DistributedWeightSyncScheme"]
 
-_DEFAULT: Any = ...
+T = TypeVar("T")
 
 
 class DistributedWeightSyncScheme:
@@ -74,9 +76,9 @@ class DistributedWeightSyncScheme:
         silence_timeout: a peer that sent nothing, heartbeats included, for this long is
             gone (default: ``timeout``; ``None`` with ``timeout=None``: only EOF counts). A
             killed process is noticed at once anyway (its connection ends); this is for
-            partitions and hung hosts. Heartbeats come from the event loop: a trainer
-            whose loop is blocked (a long synchronous step) longer than this looks dead
-            to its relays, so keep it above your longest step.
+            partitions and hung hosts. Heartbeats come from a thread of each control
+            connection, not from the event loop: a loop blocked by a long synchronous
+            step does not look dead.
         backend: ``"gloo"`` (default: CPU memory on the wire) or ``"nccl"`` (CUDA memory on
             the wire: the trainer keeps its snapshots on its GPU and each relay receives
             through two ``chunk_bytes`` buffers on its GPU into the host's shared memory).
@@ -126,24 +128,13 @@ class DistributedWeightSyncScheme:
         bind: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         heartbeat: float = 1.0,
-        silence_timeout: float | None | object = _DEFAULT,
+        silence_timeout: float | None | UseDefault = DEFAULT,
         backend: str = "gloo",
         device: str | torch.device | None = None,
     ) -> None:
-        # The local scheme checks the shared options (and relays use it as is).
-        self._options: dict[str, Any] = dict(
-            strategy=strategy,
-            sync=sync,
-            timeout=timeout,
-            commit=commit,
-            commit_mode=commit_mode,
-            on_worker_error=on_worker_error,
-            check_finite=check_finite,
-            transfer_dtype=transfer_dtype,
-        )
-        MultiProcessWeightSyncScheme(**self._options)
-        if strategy not in STRATEGIES:  # pragma: no cover - checked above
-            raise ValueError(strategy)
+        options = SchemeOptions(strategy, sync, timeout, commit, commit_mode, on_worker_error, check_finite, transfer_dtype)
+        self._scheme_options = options
+        self._options: dict[str, Any] = options.kwargs()  # each relay's local scheme gets the same
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -171,7 +162,7 @@ class DistributedWeightSyncScheme:
         self.bind = bind or self.master_addr
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
-        self.silence_timeout: float | None = timeout if silence_timeout is _DEFAULT else silence_timeout  # type: ignore[assignment]
+        self.silence_timeout = resolve_timeout(silence_timeout, timeout)
         if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
             raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
         self.backend = backend
@@ -184,6 +175,8 @@ class DistributedWeightSyncScheme:
         self._relay: Relay | None = None
         self._local: MultiProcessWeightSyncScheme | None = None
         self._worker: MultiProcessWeightSyncScheme | None = None  # init_on_receiver: the worker in this process
+        self._relay_loop: _RelayLoop | None = None  # init_on_receiver: where the relay runs
+        self._relay_closed = False
 
     # ------------------------------------------------------------------ rendezvous
 
@@ -201,6 +194,14 @@ class DistributedWeightSyncScheme:
             base = TCPStore(self.master_addr, port, None, self.rank == 0, timeout, wait_for_workers=False)
         self._store = PrefixStore("asyncsync/", base)
         return self._store
+
+    def _store_name(self) -> str:
+        if self._user_store is not None:
+            return "the store passed as store="
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+            return f"torchrun's agent store ({self.master_addr}:{self.master_port})"
+        port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
+        return f"{self.master_addr}:{port}"
 
     def _resolve_token(self, store: Any, trainer: bool) -> bytes:
         if self._token is not None:
@@ -234,13 +235,7 @@ class DistributedWeightSyncScheme:
         for every rank of the launch but this one."""
         if self._sender is not None or self._relay is not None:
             raise RuntimeError("this scheme is already initialised")
-        if weights is not None and model is not None:
-            raise ValueError("pass either weights or model, not both")
-        by_context = model is None and weights is None
-        if by_context:
-            model = resolve_model(context, model_id)
-            if model is None:
-                raise ValueError("nothing to send: pass model= or weights=, or a context with the model at context.<model_id>")
+        source, first = configured_source(model, weights, context, model_id, choices="model= or weights=")
         if hosts is None:
             if workers_per_host is None:
                 raise ValueError("pass hosts={host: num_workers} or workers_per_host=")
@@ -253,17 +248,7 @@ class DistributedWeightSyncScheme:
         for h, n in hosts.items():
             if not (isinstance(h, int) and h >= 0 and isinstance(n, int) and n >= 1):
                 raise ValueError(f"hosts maps host ids (ints >= 0) to worker counts (>= 1), got {h!r}: {n!r}")
-        source: Any = model if model is not None else weights
-        first = to_flat(source)
-        if not first:
-            raise ValueError("the weights hold no tensors")
-        source_layout = Layout.from_tensors(first)
-        dtype_map = {}
-        if self.transfer_dtype is not None:
-            dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
-        wire_layout = Layout.from_tensors(first, dtype_map)
-        if by_context:  # looked up at every send, as locally (and as torchrl does)
-            source = ModelRef(lambda: _lookup(context, model_id))
+        source_layout, wire_layout = self._scheme_options.layouts(first)
         store = self._open_store()
         self._sender = DistSender(
             hosts=hosts,
@@ -311,13 +296,15 @@ class DistributedWeightSyncScheme:
         frozen = {k: t.detach().clone() for k, t in template.items()}  # the relay never reads it again
         local = MultiProcessWeightSyncScheme(**self._options)
         local.init_on_sender(weights=frozen, num_workers=num_workers)
-        store = self._open_store()
         self._local = local
+        # The store is opened by connect(), off the loop and bounded by its timeout (a store
+        # client connecting to a host that does not answer would block here).
         self._relay = Relay(
             host=self.rank if host is None else host,
             local=local.sender,
-            store=store,
-            token=self._resolve_token(store, trainer=False),
+            open_store=self._open_store,
+            store_name=self._store_name(),
+            token=self._token,
             timeout=self.timeout,
             heartbeat=self.heartbeat,
             silence_timeout=self.silence_timeout,
@@ -355,8 +342,9 @@ class DistributedWeightSyncScheme:
         host: int | None = None,
     ) -> None:
         """Make this rank a host whose only worker is this process (torchrl's layout: one
-        worker per rank): its relay and its worker share this event loop, and the trainer
-        names the worker ``(host, 0)``. *model* (or ``context.<model_id>``) receives the
+        worker per rank): the worker's receiver runs in this event loop, its relay in a
+        small event-loop thread of its own (a busy worker loop holds up no other host),
+        and the trainer names the worker ``(host, 0)``. *model* (or ``context.<model_id>``) receives the
         weights, as with :meth:`MultiProcessWeightSyncScheme.init_on_receiver`; then
         ``connect`` / ``version`` / ``commit`` / ``wait_for_version`` / ``wait_stopped``
         / ``aclose`` work as on a worker. *worker_idx* must be 0 (one worker per rank).
@@ -375,6 +363,8 @@ class DistributedWeightSyncScheme:
             model = resolve_model(context, model_id)
         if model is None:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
+        if device is not None:
+            _check_device(torch.device(device), "init_on_receiver")  # before the relay takes anything
         local = self.init_on_relay(model=model, num_workers=1, host=host)
         worker = loopback_worker(local, 0)
         worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device)
@@ -396,7 +386,7 @@ class DistributedWeightSyncScheme:
         """Worker: a staged version waits for :meth:`commit`."""
         return self.worker.update_pending
 
-    async def wait_for_version(self, version: int, *, timeout: float | None = _DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Worker: wait until the model runs *version* or newer."""
         return await self.worker.wait_for_version(version, timeout=timeout)
 
@@ -428,12 +418,20 @@ class DistributedWeightSyncScheme:
             return self._relay
         raise RuntimeError("call init_on_sender() or init_on_relay() first")
 
-    async def connect(self, timeout: float | None = _DEFAULT) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Trainer: send version 0 to every worker of every host and wait for every ack.
         Relay: join the trainer; return once the first weights reached the local workers.
         Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
         if self._worker is not None:
-            both = [asyncio.ensure_future(self.relay.connect(timeout=timeout)), asyncio.ensure_future(self._worker.connect(timeout=timeout))]
+            if self._relay_loop is None:
+                if self._relay_closed:
+                    raise ClosedError(f"host {self.relay.host}: the relay is closed")
+                self._relay_loop = _RelayLoop(self.relay.host)
+            relay_loop = self._relay_loop
+            both = [
+                asyncio.ensure_future(relay_loop.run(self.relay.connect(timeout=timeout))),
+                asyncio.ensure_future(self._worker.connect(timeout=timeout)),
+            ]
             try:
                 version, _ = await asyncio.gather(*both)
             except BaseException:
@@ -449,7 +447,13 @@ class DistributedWeightSyncScheme:
         Releases the rendezvous store too (the trainer's, when it hosts it, stops serving)."""
         if self._sender is not None:
             await self._sender.aclose()
+        elif self._relay_loop is not None:
+            relay_loop, self._relay_loop = self._relay_loop, None
+            self._relay_closed = True
+            await relay_loop.run(self.relay.aclose())
+            relay_loop.close()
         elif self._relay is not None:
+            self._relay_closed = True
             await self._relay.aclose()
         if self._worker is not None:
             await self._worker.aclose()
@@ -482,13 +486,13 @@ class DistributedWeightSyncScheme:
         return self._side().version
 
     async def send(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send`; *worker_ids* are ``(host, local)`` pairs."""
         return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 
     async def send_async(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None = _DEFAULT
+        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
     ) -> int:
         """As :meth:`MultiProcessWeightSyncScheme.send_async`: returns once the snapshot is taken."""
         return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
@@ -499,7 +503,7 @@ class DistributedWeightSyncScheme:
         worker_ids: WorkerId | Iterable[WorkerId] | None = None,
         *,
         quorum: int | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
         """As :meth:`MultiProcessWeightSyncScheme.wait_async`."""
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
@@ -509,9 +513,45 @@ class DistributedWeightSyncScheme:
         if it died (the worker keeps its last complete weights)."""
         if self._worker is not None:
             await self._worker.wait_stopped()
+            error = self.relay.error
+            if error is not None:  # e.g. another relay replaced this rank's: its worker was stopped
+                raise error
             return
         await self.relay.wait_stopped()
 
 
 def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
     return scheme
+
+
+class _RelayLoop:
+    """The event loop of a rank's relay when the rank is itself the worker, in a daemon
+    thread: the worker's loop may block for a long synchronous step (rollouts, env steps)
+    while the relay keeps landing the newest weights (the worker commits them once its
+    loop turns again), answering the trainer and taking part in broadcasts, so a busy
+    worker never holds up the other hosts. The worker reaches its relay through the
+    local channel (a socket and shared memory), as a worker process would."""
+
+    def __init__(self, host: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=f"asyncsync-relay-{host}", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """*coro* on the relay's loop; cancelling the caller cancels it there."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def close(self) -> None:
+        """Stop the loop and join its thread (it has nothing left to run: instant)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()

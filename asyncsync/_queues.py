@@ -103,6 +103,37 @@ class _FdBatch:
 _Pending = memoryview | bytes | _FdBatch
 
 
+
+# uvloop (libuv) makes a descriptor non-blocking when it starts polling it; the flag lives
+# on a file description other processes may share, so it is put back (reads and writes
+# here pass MSG_DONTWAIT and never rely on it). asyncio's own loops leave flags alone.
+def _flags_to_keep(loop: asyncio.AbstractEventLoop, fd: int) -> int | None:
+    if isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+        return None
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        return None
+
+
+def _restore_flags(fd: int, flags: int | None) -> None:
+    if flags is None:
+        return
+    try:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) != flags:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    except OSError:
+        pass  # closed meanwhile
+
+
+async def _wait_readable(fd: int) -> None:
+    """``anyio.wait_readable``, leaving *fd*'s flags as they were once it returns."""
+    flags = _flags_to_keep(asyncio.get_running_loop(), fd)
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        _restore_flags(fd, flags)
+
 class AsyncQueue(Generic[T]):
     """``await put`` / ``await get`` over a multiprocessing ``Connection`` or ``Queue``.
 
@@ -264,7 +295,7 @@ class AsyncQueue(Generic[T]):
     async def _wait_and_get(self, raw: bool = False) -> Any:
         while True:
             try:
-                await anyio.wait_readable(self._fd)
+                await _wait_readable(self._fd)
             except anyio.ClosedResourceError:
                 raise ClosedError("the queue was closed") from None
             msg = self._try_get(raw)
@@ -392,7 +423,9 @@ class AsyncQueue(Generic[T]):
         self._listener = (on_frame, on_end)
         self._hand_over(fill=False)
         if self._listener is not None:
+            flags = _flags_to_keep(loop, self._fd)
             loop.add_reader(self._fd, self._hand_over, True)
+            _restore_flags(self._fd, flags)
             self._listen_loop = loop
 
     def _unlisten(self) -> None:
@@ -503,7 +536,7 @@ class AsyncQueue(Generic[T]):
             if self._eof:
                 self._raise_broken()
             try:
-                await anyio.wait_readable(self._fd)
+                await _wait_readable(self._fd)
             except anyio.ClosedResourceError:
                 raise ClosedError("the queue was closed") from None
             self._check_open()
@@ -713,7 +746,9 @@ class AsyncQueue(Generic[T]):
         if self._writer_loop is loop:
             return
         self._remove_writer()
+        flags = _flags_to_keep(loop, self._fd)
         loop.add_writer(self._fd, self._on_writable)
+        _restore_flags(self._fd, flags)
         self._writer_loop = loop
 
     def _remove_writer(self) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from ._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from ._faults import installed as _installed_faults
 from ._layout import Layout
+from ._options import DEFAULT, UseDefault, resolve_timeout
 from ._ownership import BufferRoles, Weights, debug_enabled
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
@@ -150,32 +151,32 @@ class Receiver:
     def device(self) -> torch.device:
         return self._device
 
-    async def connect(self, timeout: float | None | object = ...) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Start the receiver task; return once the initial weights are applied."""
         if self._state != "new":
             raise RuntimeError("connect() was already called") if self._state != "closed" else ClosedError("the receiver is closed")
         self._state = "running"
         self._queue.put_bytes_nowait(encode(Hello(self.worker_idx, os.getpid())))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
-        limit = self.timeout if timeout is ... else timeout
+        limit = resolve_timeout(timeout, self.timeout)
         # Done once the first instruction is answered: applied, staged (manual mode), or
         # rejected (then the worker keeps its own weights and keeps running; the sender raises).
-        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):  # type: ignore[arg-type]
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
+        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)
         return self._version
 
-    async def wait_for_version(self, version: int, *, timeout: float | None | object = ...) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Wait until the model runs *version* or newer, or has it staged (manual mode);
         return the version the model runs."""
-        limit = self.timeout if timeout is ... else timeout
+        limit = resolve_timeout(timeout, self.timeout)
 
         def reached() -> bool:
             pending = self._pending
             staged = pending is not None and pending.version >= version
             return self._version >= version or staged or self._ended()
 
-        if not await self._changed.wait_until(reached, limit):  # type: ignore[arg-type]
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)  # type: ignore[arg-type]
+        if not await self._changed.wait_until(reached, limit):
+            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)
         return self._version
 
     def commit(self) -> int | None:

@@ -16,18 +16,23 @@ and keeps its last complete weights, and so does :meth:`Relay.wait_stopped`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import datetime
 import hmac
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
+from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, off_loop, welcome_mac
 from ._dataplane import SyncGroup
 from ._dist_sender import unless
 from ._errors import (
+    AsyncSyncError,
     AuthenticationError,
     BrokenChannelError,
     ClosedError,
@@ -38,6 +43,7 @@ from ._errors import (
     WorkerDiedError,
     WorkerLeftError,
 )
+from ._options import DEFAULT, Timeout, resolve_timeout
 from ._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
 from ._sender import Sender, StillWriting
 from ._signal import Signal
@@ -55,8 +61,9 @@ class Relay:
         *,
         host: int,
         local: Sender,
-        store: Any,
-        token: bytes,
+        open_store: Callable[[], Any],
+        store_name: str,
+        token: bytes | None,
         timeout: float | None,
         heartbeat: float,
         silence_timeout: float | None,
@@ -66,8 +73,10 @@ class Relay:
     ) -> None:
         self.host = host
         self.local = local
-        self._store = store
-        self._token = token
+        self._open_store = open_store  # blocking (a store client connects): run off the loop
+        self._store_name = store_name
+        self._store: Any = None
+        self._token = token  # None: the trainer's, from the store
         self.timeout = timeout
         self.heartbeat = heartbeat
         self.silence_timeout = silence_timeout
@@ -82,7 +91,10 @@ class Relay:
         self._changed = Signal()
         self._published = -1
         self._error: BaseException | None = None
+        self._displaced = False
         self._state = "new"
+        self._joining = False
+        self._store_job: concurrent.futures.Future[Any] | None = None
         self.trainer: str | None = None
 
     @property
@@ -90,42 +102,82 @@ class Relay:
         """Newest version landed on this host and published to its workers (-1: none)."""
         return self._published
 
-    async def connect(self, timeout: float | None | object = ...) -> int:
-        """Join the trainer, then wait until the first weights reached every local worker."""
-        if self._state != "new":
-            raise RuntimeError("connect() was already called")
-        self._state = "running"
-        limit: float | None = self.timeout if timeout is ... else timeout  # type: ignore[assignment]
+    @property
+    def error(self) -> BaseException | None:
+        """Why this relay stopped, if not by the trainer's ``Stop`` (it died, or replaced this relay)."""
+        return self._error
+
+    async def connect(self, timeout: Timeout = DEFAULT) -> int:
+        """Join the trainer, then wait until the first weights reached every local worker.
+
+        Joining (the rendezvous store, the trainer's control address, the connection,
+        the handshake) is bounded by *timeout* together, and so is then the wait for the
+        first weights (the trainer forms the group, the local workers start); nothing
+        blocks the loop; a timeout raises :class:`SyncTimeoutError` saying what
+        it waited for, and ``connect()`` can be called again: it goes on from there."""
+        if self._state == "closed":
+            raise ClosedError(f"host {self.host}: the relay is closed")
+        if self._joining:
+            raise RuntimeError("connect() is already running")
+        limit = resolve_timeout(timeout, self.timeout)
+        deadline = _deadline(limit)
+        if self._state == "new":
+            self._joining = True
+            try:
+                await self._join(limit, deadline)
+            finally:
+                self._joining = False
+            deadline = _deadline(limit)  # joined: the first weights have a timeout of their own
+        if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", _remaining(deadline)):
+            raise SyncTimeoutError(f"host {self.host} waiting for its first weights", {}, limit)
+        if self._error is not None:
+            raise self._error
+        if self._state == "closed":
+            raise ClosedError(f"host {self.host}: the relay was closed while connecting")
+        await self.local.wait_async(self._published, timeout=_remaining(deadline))
+        return self._published
+
+    async def _join(self, limit: float | None, deadline: float | None) -> None:
+        """Find the trainer in the store, connect, authenticate; then start the tasks."""
         self.local.start()
         self.local.on_ack = self._forward_ack
         self.local.on_lost = self._forward_lost
-        address = (await _off_loop(self._store.get, "control")).decode()  # waits for the trainer (store timeout)
+        where = f"the rendezvous store at {self._store_name}"
+        if self._store is None:
+            if self._store_job is None or self._store_job.done() and self._store_job.exception() is not None:
+                self._store_job = _start(self._open_store)  # a retry waits for the same attempt
+            self._store = await _wait_job(self._store_job, _remaining(deadline), f"host {self.host} connecting to {where}", limit)
+        store = self._store
+        if self._token is None:  # no shared token: rank 0 put one in the store
+            self._token = bytes(await _store_get(store, "token", _remaining(deadline), f"host {self.host} waiting for the trainer's token in {where}", limit))
+        key = "control"
+        address = (await _store_get(store, key, _remaining(deadline), f"host {self.host} waiting for the trainer to publish its control address in {where}", limit)).decode()
         addr, _, port = address.rpartition(":")
         self.trainer = f"trainer at {address}"
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, int(port)), limit)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, int(port)), _remaining(deadline))
+        except (TimeoutError, asyncio.TimeoutError):
+            raise SyncTimeoutError(f"host {self.host} connecting to the {self.trainer}", {}, limit) from None
         except OSError as exc:
             raise BrokenChannelError(f"host {self.host}: cannot reach the {self.trainer}: {exc}") from None
         stream = ControlStream(reader, writer, self.trainer)
-        self._stream = stream
         try:
-            await asyncio.wait_for(self._handshake(stream), limit)
-        except BaseException:
+            await asyncio.wait_for(self._handshake(stream), _remaining(deadline))
+            if self._state == "closed":
+                raise ClosedError(f"host {self.host}: the relay was closed while connecting")
+        except BaseException as exc:
             await stream.aclose()
-            self._stream = None
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                raise SyncTimeoutError(f"host {self.host} in its handshake with the {self.trainer}", {}, limit) from None
             raise
+        self._stream = stream
+        stream.start_heartbeat(self.heartbeat)
+        self._state = "running"
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._read_loop(stream), name=f"asyncsync-relay-{self.host}-read"),
             loop.create_task(self._run_ops(), name=f"asyncsync-relay-{self.host}-ops"),
-            loop.create_task(stream.heartbeat(self.heartbeat), name=f"asyncsync-relay-{self.host}-beat"),
         ]
-        if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", limit):
-            raise SyncTimeoutError(f"host {self.host} waiting for its first weights", {}, limit)
-        if self._error is not None:
-            raise self._error
-        await self.local.wait_async(self._published, timeout=limit)
-        return self._published
 
     async def _handshake(self, stream: ControlStream) -> None:
         try:
@@ -166,6 +218,14 @@ class Relay:
                 elif isinstance(msg, Stop):
                     self._ops.put_nowait(None)
                     return
+                elif isinstance(msg, Bye):  # the trainer dropped this connection: say why
+                    logger.warning("asyncsync: host %d: the %s dropped this relay: %s", self.host, stream.peer, msg.reason)
+                    if self._state == "running":
+                        self._error = BrokenChannelError(f"host {self.host}: {msg.reason}; this relay stopped, keeping version {self._published}")
+                        self._displaced = True
+                        self._ops.put_nowait(None)
+                        self._changed.notify()
+                    return
                 elif isinstance(msg, Beat):
                     pass
                 else:
@@ -173,6 +233,9 @@ class Relay:
         except BrokenChannelError as exc:  # ProtocolError included
             if isinstance(exc, ProtocolError):
                 logger.warning("asyncsync: host %d: closing the control connection: %s", self.host, exc)
+            # Trainer and relay agree on whether this host is there: a relay that gives up
+            # on the trainer ends the connection, and the trainer declares the host lost.
+            stream.close()
             if self._state == "running":
                 self._error = SenderDiedError(f"host {self.host}: the trainer is gone ({exc}); keeping version {self._published}")
                 self._ops.put_nowait(None)
@@ -296,9 +359,10 @@ class Relay:
         return self._scratch
 
     async def _finish(self) -> None:
-        """The trainer said Stop (stop the workers) or died (leave them with SenderDiedError)."""
+        """The trainer said Stop (stop the workers) or died (leave them with SenderDiedError).
+        A relay the trainer replaced stops its workers (nothing died)."""
         died = self._error is not None
-        await self.local.aclose(stop=not died)
+        await self.local.aclose(stop=not died or self._displaced)
         if not died and self._stream is not None:
             try:
                 self._stream.send(Bye(self.host, self._published, "stopped by the trainer"))
@@ -384,8 +448,56 @@ class Relay:
         return group
 
 
-async def _off_loop(fn: Any, *args: Any) -> Any:
-    """*fn(*args)* in a thread of its own, joined before returning (no thread outlives it)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="asyncsync-store") as ex:
-        fut = asyncio.get_running_loop().run_in_executor(ex, fn, *args)
-        return await asyncio.shield(fut)
+def _start(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    """*fn()* in a daemon thread (it may block past any deadline: nothing joins it)."""
+    job: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            job.set_result(fn())
+        except BaseException as exc:  # delivered to whoever waits
+            job.set_exception(exc)
+
+    threading.Thread(target=run, name="asyncsync-store-connect", daemon=True).start()
+    return job
+
+
+async def _wait_job(job: concurrent.futures.Future[Any], remaining: float | None, what: str, limit: float | None) -> Any:
+    try:
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), remaining)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise SyncTimeoutError(what, {}, limit) from None
+    except AsyncSyncError:
+        raise
+    except Exception as exc:  # the store's own error (refused, timed out)
+        raise BrokenChannelError(f"{what}: {exc}") from None
+
+
+async def _store_get(store: Any, key: str, remaining: float | None, what: str, limit: float | None) -> bytes:
+    """``store.get(key)`` once *key* is set, waiting at most *remaining* seconds, off the
+    loop, on a store connection of its own (a wait left behind holds up nobody)."""
+    wait = datetime.timedelta(seconds=max(remaining, 0.001) if remaining is not None else 300.0)
+
+    def get() -> bytes:
+        own = store.clone() if hasattr(store, "clone") else store
+        own.wait([key], wait)
+        return bytes(own.get(key))
+
+    try:
+        return await off_loop(get, None if remaining is None else remaining + 1.0, what)  # type: ignore[no-any-return]
+    except SyncTimeoutError:
+        raise SyncTimeoutError(what, {}, limit) from None
+    except AsyncSyncError:
+        raise
+    except Exception as exc:  # DistStoreError: the wait timed out in the store, or it went away
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            raise SyncTimeoutError(what, {}, limit) from None
+        raise BrokenChannelError(f"{what}: {exc}") from None
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)

@@ -33,19 +33,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._errors import WeightsError
-from ._layout import Layout
+from ._core._source import configured_source
+from ._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
-from ._sender import ModelRef, OnWorkerError, Sender
+from ._sender import Sender
 from ._slots import SlotPool
 from ._staging import device_problem
 from ._stats import ReceiverStatistics, SenderStatistics
-from ._strategy import STRATEGIES, Strategy, as_user_weights, resolve_model, to_flat
+from ._strategy import Strategy, as_user_weights, resolve_model, to_flat
 
 __all__ = ["MultiProcessWeightSyncScheme"]
 
 Transport = Literal["shm", "queue"]
-_DEFAULT: Any = ...
 
 
 class MultiProcessWeightSyncScheme:
@@ -54,7 +53,8 @@ class MultiProcessWeightSyncScheme:
     Args:
         strategy: ``"tensordict"`` (weights as TensorDict) or ``"state_dict"`` (plain dict).
         sync: if True, :meth:`send` waits until every targeted worker applied the weights.
-        timeout: default bound, in seconds, of every wait (``None``: no bound).
+        timeout: default bound, in seconds, of every wait (``None``: no bound): what a
+            method's ``timeout=DEFAULT`` stands for.
         transport: ``"shm"`` (default: shared-memory slots allocated once and reused, one
             copy per send whatever the number of workers) or ``"queue"`` (a fresh
             shared-memory segment travels with every message, as with torch pickling).
@@ -115,16 +115,8 @@ class MultiProcessWeightSyncScheme:
         check_finite: bool = False,
         transfer_dtype: torch.dtype | None = None,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        _choice("transport", transport, ("shm", "queue"))
-        _choice("commit", commit, ("swap", "copy"))
-        _choice("commit_mode", commit_mode, ("auto", "manual"))
-        _choice("on_worker_error", on_worker_error, ("raise", "skip"))
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive or None, got {timeout}")
-        if transfer_dtype is not None and not (isinstance(transfer_dtype, torch.dtype) and transfer_dtype.is_floating_point):
-            raise ValueError(f"transfer_dtype must be a floating-point torch.dtype, got {transfer_dtype!r}")
+        self._options = SchemeOptions(strategy, sync, timeout, commit, commit_mode, on_worker_error, check_finite, transfer_dtype)
+        choice("transport", transport, ("shm", "queue"))
         self.strategy: Strategy = strategy
         self.sync = sync
         self.timeout = timeout
@@ -189,8 +181,6 @@ class MultiProcessWeightSyncScheme:
         """
         if self._sender is not None or self._receiver is not None:
             raise RuntimeError("this scheme is already initialised")
-        if weights is not None and model is not None:
-            raise ValueError("pass either weights or model, not both")
         if params_map is not None and (weights is not None or model is not None):
             raise ValueError("params_map gives each worker's weights; do not pass weights or model with it")
         if params_map is not None and (devices is not None or device_map_fn is not None):
@@ -203,16 +193,8 @@ class MultiProcessWeightSyncScheme:
             raise TypeError(f"ctx must be a multiprocessing context, got {type(ctx).__name__}")
         elif ctx.get_start_method() == "fork":
             raise ValueError("asyncsync workers need the 'spawn' (or 'forkserver') start method, not 'fork'")
-        by_context = model is None and weights is None and params_map is None
-        if by_context:
-            model = resolve_model(context, model_id)
-            if model is None:
-                raise ValueError(
-                    "nothing to send: pass model=, weights= or params_map=, or a context with the model at "
-                    f"context.{model_id}" if model_id else "nothing to send: pass model=, weights= or params_map="
-                )
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if params_map is None:
+            source, first = configured_source(model, weights, context, model_id, choices="model=, weights= or params_map=")
 
         ids = self._worker_ids(params_map, devices, device_map_fn, num_workers, worker_ids)
         device_of: dict[int, str | None] = {i: None for i in ids}
@@ -227,15 +209,10 @@ class MultiProcessWeightSyncScheme:
                 device_of[i] = str(next(iter(flat.values())).device) if flat else None
             first = flat_map[ids[0]]
             sources = dict(params_map)
+            if not first:
+                raise ValueError("the weights hold no tensors")
         else:
-            src: Any = model if model is not None else weights
-            first = to_flat(src)
-            if by_context:  # looked up at every send, as torchrl does
-                src = ModelRef(lambda: _lookup(context, model_id))
-            sources = {i: src for i in ids}
-
-        if not first:
-            raise ValueError("the weights hold no tensors")
+            sources = {i: source for i in ids}
         if device_map_fn is not None:
             user_weights = as_user_weights(first, self.strategy)
             for i in ids:  # one worker at a time: never N device copies alive at once
@@ -243,11 +220,7 @@ class MultiProcessWeightSyncScheme:
                 device_of[i] = str(next(iter(mapped.values())).device)
                 del mapped
 
-        source_layout = Layout.from_tensors(first)
-        dtype_map = {}
-        if self.transfer_dtype is not None:
-            dtype_map = {s.dtype: self.transfer_dtype for s in source_layout.specs if s.dtype.is_floating_point}
-        wire_layout = Layout.from_tensors(first, dtype_map)
+        source_layout, wire_layout = self._options.layouts(first)
         pool = SlotPool(
             wire_layout,
             num_slots=self.num_slots,
@@ -392,7 +365,7 @@ class MultiProcessWeightSyncScheme:
             return self._receiver
         raise RuntimeError("call init_on_sender() or init_on_receiver() first")
 
-    async def connect(self, timeout: float | None = _DEFAULT) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Sender: send the initial weights and wait for every worker's ack.
         Worker: start the receiver task and wait for the initial weights. Returns the version."""
         return await self._side().connect(timeout=timeout)
@@ -433,7 +406,7 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: float | None = _DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Push weights (None: read the configured source) and, if ``sync``, wait for the acks.
 
@@ -450,13 +423,13 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: float | None = _DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Push weights without waiting for acks; returns the version (see :meth:`wait_async`).
 
         A worker still busy with an earlier version gets this one when it answers (latest
-        wins); the call never waits for a worker. *timeout* bounds the wait for a free
-        slot, which only happens with a ``max_slots`` cap.
+        wins); the call never waits for a worker. *timeout* bounds the wait for another
+        send's snapshot and for a free slot (only with a ``max_slots`` cap).
         """
         return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
 
@@ -466,7 +439,7 @@ class MultiProcessWeightSyncScheme:
         worker_ids: int | Iterable[int] | None = None,
         *,
         quorum: int | None = None,
-        timeout: float | None = _DEFAULT,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
         """Wait until the targeted workers applied *version* (default: everything sent)."""
         await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
@@ -486,7 +459,7 @@ class MultiProcessWeightSyncScheme:
         """Worker: a staged version waits for :meth:`commit`."""
         return self.receiver.update_pending
 
-    async def wait_for_version(self, version: int, *, timeout: float | None = _DEFAULT) -> int:
+    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Worker: wait until the model runs *version* or newer."""
         return await self.receiver.wait_for_version(version, timeout=timeout)
 
@@ -565,13 +538,6 @@ class _SharedFd:
             return int(reduction.recv_handle(conn))
 
 
-def _lookup(context: Any, model_id: str | None) -> nn.Module:
-    model = resolve_model(context, model_id)
-    if model is None:
-        raise WeightsError(f"context.{model_id} is no longer an nn.Module; nothing to send")
-    return model
-
-
 def _check_device(device: torch.device, who: str) -> torch.device:
     """Fail before anything starts if *device* cannot be used on this host."""
     unusable = device_problem(device)
@@ -579,7 +545,3 @@ def _check_device(device: torch.device, who: str) -> torch.device:
         raise ValueError(f"{who}: device {device} requested, but {unusable}")
     return device
 
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

@@ -19,13 +19,16 @@ import os
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import torch
 
+from ._core._acks import WorkerRecord
+from ._core._deadline import Deadline
+from ._core._front import SenderCore
+from ._core._offload import THREAD_COPY_BYTES
 from ._errors import (
     BrokenChannelError,
     CapacityError,
@@ -34,69 +37,53 @@ from ._errors import (
     SyncTimeoutError,
     WeightsError,
     WorkerDiedError,
-    WorkerError,
     WorkerLeftError,
     WouldBlock,
 )
+from ._flat import SpanCopier
 from ._layout import Layout
+from ._options import DEFAULT, OnWorkerError, UseDefault
 from ._ownership import Ref, SlotLedger
 from ._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
 from ._queues import AsyncQueue
-from ._signal import Signal
 from ._slots import Slot, SlotPool
-from ._flat import SpanCopier
 from ._staging import copy_tensors
-from ._stats import SenderStatistics, WorkerStatistics
-from ._strategy import KnownSource, to_flat, validate
+from ._stats import SenderStatistics
 
 __all__ = ["Sender"]
 
 logger = logging.getLogger("asyncsync")
 
-OnWorkerError = Literal["raise", "skip"]
-Timeout = float | None
-
-# Copies larger than this run in the sender's copy thread so the trainer's loop keeps going.
-_THREAD_COPY_BYTES = 4 << 20
-
 
 class _Link:
-    """One connection (generation) to one worker: its channel and what it answered."""
+    """One connection (generation) to one worker: its channel, mapped slots and tasks (its
+    answers are kept by the :class:`AckTracker`)."""
 
     def __init__(self, generation: int, conn: Connection, child_conn: Connection) -> None:
         self.generation = generation
         self.child_conn: Connection | None = child_conn
         self.queue: AsyncQueue[Any] = AsyncQueue(conn)
         self.pid: int | None = None
-        self.applied = -1
-        self.responded = -1
-        self.rejected = -1  # newest version this connection rejected
-        self.last_error: str | None = None
         self.mapped: set[int] = set()
         self.delivered_sends = 0  # w.sends at the last delivery on this connection
-        self.stage_s = 0.0
-        self.commit_s = 0.0
         self.bye: Bye | None = None
         self.lost = False
         self.tasks: list[asyncio.Task[None]] = []
 
 
-class _Worker:
-    """Sender-side state of one worker id, across its connections."""
+class _Worker(WorkerRecord):
+    """One worker id across its connections: its delivery state (kept by the
+    :class:`AckTracker`) and its link, process and sentinel."""
 
     def __init__(self, idx: int, device: str | None) -> None:
+        super().__init__(idx)
         self.idx = idx
         self.device = device
-        self.state = "waiting"  # waiting | connected | dead | left | stopped
         self.link: _Link | None = None
-        self.generation = 0
+        self.links = 0  # channels made for this worker id (the next one's generation)
         self.sends = 0  # versions published to this worker id
-        self.exitcode: int | None = None
         self.process: Any = None
         self.sentinel: int | None = None
-        self.death: WorkerDiedError | None = None
-        self.death_generation = 0
-        self.pid: int | None = None
 
 
 class StillWriting(Exception):
@@ -108,14 +95,7 @@ class StillWriting(Exception):
         self.done = done
 
 
-class ModelRef:
-    """A model looked up at every send (``context`` + ``model_id``), as torchrl does."""
-
-    def __init__(self, resolve: Callable[[], Any]) -> None:
-        self.resolve = resolve
-
-
-class Sender:
+class Sender(SenderCore[int, "_Worker"]):
     """Pushes weights to a fixed set of workers; created by ``init_on_sender``.
 
     Example::
@@ -152,16 +132,9 @@ class Sender:
         manual: bool,
         ctx: mp.context.BaseContext,
     ) -> None:
-        self._source_layout = source_layout
-        self._layout = wire_layout
-        self._spans = SpanCopier(wire_layout)  # one copy per span of a flattened source
         self._sources = sources  # worker id -> what send(weights=None) reads for it
         self._pool = pool
         self._ledger = SlotLedger(manual=manual)
-        self.sync = sync
-        self.timeout = timeout
-        self.on_worker_error = on_worker_error
-        self.check_finite = check_finite
         self._ctx = ctx
         self._pid = os.getpid()
         # Encoded once (a layout that cannot travel fails here, at init): one frame per device.
@@ -172,16 +145,11 @@ class Sender:
             w = _Worker(idx, devices.get(idx))
             self._new_link(w)
             self._workers[idx] = w
-        self._state = "new"
-        self._version = -1
-        self._sends = 0
+        super().__init__(
+            self._workers, source_layout=source_layout, wire_layout=wire_layout, sync=sync, timeout=timeout, on_worker_error=on_worker_error, check_finite=check_finite
+        )
         self._bytes = 0
-        self._last_copy_s = 0.0
-        self._changed = Signal()
-        self._executor: ThreadPoolExecutor | None = None
-        self._copy_future: Future[None] | None = None
-        self._send_lock: asyncio.Lock | None = None
-        self._known: dict[int, KnownSource] = {}  # id(source) -> its last validated tensors
+        self._spans = SpanCopier(wire_layout)  # one copy per span of a flattened source
         # Called with each worker's answers and losses (a relay forwards them to its trainer).
         self.on_ack: Callable[[int, Ack], None] | None = None
         self.on_lost: Callable[[int, WorkerDiedError], None] | None = None
@@ -190,8 +158,8 @@ class Sender:
 
     def _new_link(self, w: _Worker) -> _Link:
         ours, theirs = self._ctx.Pipe(duplex=True)
-        w.generation += 1
-        w.link = _Link(w.generation, ours, theirs)
+        w.links += 1
+        w.link = _Link(w.links, ours, theirs)
         return w.link
 
     def in_owner_process(self) -> bool:
@@ -223,31 +191,14 @@ class Sender:
 
         Raises :class:`WorkerError` if the new connection rejected that version.
         """
-        w = self._worker(worker_idx)
-        generation = w.generation
+        self._worker(worker_idx)
+        await self._acks.wait_joined([worker_idx], timeout, f"waiting for worker {worker_idx} to join")
 
-        def joined() -> bool:
-            if self._state != "running":
-                raise ClosedError("the sender is closed")
-            if w.state in ("dead", "left") and w.death is not None and w.death_generation >= generation:
-                raise w.death  # the connection we wait for is already gone
-            link = w.link
-            return w.state == "connected" and link is not None and link.responded >= self._sent(w)
-
-        if not await self._changed.wait_until(joined, timeout):
-            raise SyncTimeoutError(
-                f"waiting for worker {worker_idx} to join", {worker_idx: self._applied(w)}, timeout, never_connected=self._never_connected([worker_idx])
-            )
-        link = w.link
-        assert link is not None
-        if link.applied < self._sent(w):
-            raise WorkerError(worker_idx, link.rejected, link.last_error or "rejected")
-
-    def _never_connected(self, ids: Iterable[int]) -> dict[int, int | None]:
-        """Of *ids*, the workers whose receiver never said hello, with the pid of the process
+    def _never_connected(self, wids: Sequence[int]) -> dict[int, int | None]:
+        """Of *wids*, the workers whose receiver never said hello, with the pid of the process
         watched for them (alive: its death would have been noticed), or None."""
         out: dict[int, int | None] = {}
-        for i in ids:
+        for i in wids:
             w = self._workers[i]
             if w.state == "waiting" and (w.link is None or w.link.pid is None):
                 out[i] = getattr(w.process, "pid", None)
@@ -255,45 +206,19 @@ class Sender:
 
     async def wait_dead(self, worker_idx: int, timeout: float | None = None) -> None:
         """Wait until the sender has noticed that *worker_idx* is gone."""
-        w = self._worker(worker_idx)
-        gone = ("dead", "left", "stopped")
-        if not await self._changed.wait_until(lambda: w.state in gone or self._state != "running", timeout):
-            raise SyncTimeoutError(f"waiting for worker {worker_idx} to be declared dead", {worker_idx: self._applied(w)}, timeout)
+        self._worker(worker_idx)
+        await self._acks.wait_gone([worker_idx], timeout, f"waiting for worker {worker_idx} to be declared dead")
 
     # ----------------------------------------------------------------- public API
-
-    @property
-    def worker_ids(self) -> list[int]:
-        return list(self._workers)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def layout(self) -> Layout:
-        return self._layout
 
     @property
     def ledger(self) -> SlotLedger:
         """Who holds which slot (for debugging and tests)."""
         return self._ledger
 
-    def applied_versions(self) -> dict[int, int]:
-        return {i: self._applied(w) for i, w in self._workers.items()}
-
-    @staticmethod
-    def _applied(w: _Worker) -> int:
-        return w.link.applied if w.link is not None else -1
-
     def sent_version(self, worker_idx: int) -> int:
         """The newest version sent to *worker_idx* (-1: none)."""
-        return self._sent(self._worker(worker_idx))
-
-    def _sent(self, w: _Worker) -> int:
-        """The newest version sent to *w* (-1: none)."""
-        latest = self._ledger.latest.get(w.idx)
-        return -1 if latest is None else latest.version
+        return self._worker(worker_idx).sent
 
     def start(self) -> None:
         """Open the slots and start watching the workers, without sending anything yet."""
@@ -308,6 +233,9 @@ class Sender:
                 assert w.link is not None
                 self._ledger.connect(w.idx)
                 self._start_tasks(w, w.link, loop)
+
+    async def _open(self) -> None:
+        self.start()
 
     async def publish_filled(
         self,
@@ -336,7 +264,7 @@ class Sender:
             self._check_running()
             self._check_newer(version, targets)  # ...and for sure, under the lock
             base = None if base_version is None else self._base_slot(targets, base_version)
-            slot = await self._acquire_slot(None)
+            slot = await self._acquire_slot(Deadline(None))
             try:
                 if base is not None:
                     await self._write(slot, {}, base)
@@ -375,7 +303,7 @@ class Sender:
     def _check_newer(self, version: int, targets: list[int]) -> None:
         # Per worker only: a relay may publish an older version to a worker that lacks it
         # (a transfer repeated after the group re-formed) after a newer one went to others.
-        stale = {i: self._sent(self._workers[i]) for i in targets if self._sent(self._workers[i]) >= version}
+        stale = {i: self._workers[i].sent for i in targets if self._workers[i].sent >= version}
         if stale:
             raise ValueError(f"version {version} is not newer than what workers {stale} were sent")
 
@@ -385,6 +313,7 @@ class Sender:
             self._ledger.publish(slot.id, version, members)
             for i in members:
                 self._workers[i].sends += 1
+                self._acks.sent(i, version)
         for _, members in written:
             for i in members:
                 self._pump(self._workers[i])
@@ -406,17 +335,12 @@ class Sender:
             self._release_unused()
         self._changed.notify()
 
-    async def connect(self, timeout: Timeout | object = ..., weights: Any = None) -> int:
+    async def connect(self, timeout: float | None | UseDefault = DEFAULT, weights: Any = None) -> int:
         """Start watching the workers, send the initial weights, wait for every ack.
 
         If the wait times out, calling ``connect()`` again waits for the same initial version.
         """
-        self.start()
-        deadline = _deadline(self._limit(timeout))
-        if self._version < 0:
-            await self.send_async(weights, timeout=_remaining(deadline))
-        await self.wait_async(version=0, timeout=_remaining(deadline), what="connect")
-        return 0
+        return await self._connect(timeout, weights)
 
     async def send(
         self,
@@ -424,18 +348,13 @@ class Sender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: Timeout | object = ...,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Publish *weights*; with ``sync`` wait until every targeted worker applied them.
 
         *timeout* bounds the whole call: waiting for a free slot and for the acks.
         """
-        targets = self._targets(worker_ids)
-        deadline = _deadline(self._limit(timeout))
-        version = await self.send_async(weights, targets, partial=partial, timeout=_remaining(deadline))
-        if self.sync:
-            await self.wait_async(version=version, worker_ids=targets, timeout=_remaining(deadline), what=f"send of version {version}")
-        return version
+        return await self._send(weights, worker_ids, partial, timeout)
 
     async def send_async(
         self,
@@ -443,27 +362,20 @@ class Sender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         partial: bool = False,
-        timeout: Timeout | object = ...,
+        timeout: float | None | UseDefault = DEFAULT,
     ) -> int:
         """Copy *weights* into shared memory and publish them; return the new version.
 
         Returns once the snapshot is taken and each targeted worker will get it (now, or
         when it answers its current update); acks are collected in the background (see
         :meth:`wait_async`). With *partial*, *weights* may hold a subset of the keys; the
-        others keep the values each target last received. *timeout* bounds the wait for a
-        free slot (only possible with a ``max_slots`` cap).
+        others keep the values each target last received. *timeout* bounds the wait for
+        another send's snapshot and for a free slot (only possible with a ``max_slots`` cap).
         """
-        self._check_running()
         targets = self._targets(worker_ids)
-        if self.on_worker_error == "raise":
-            for i in targets:
-                w = self._workers[i]
-                if w.state in ("dead", "left") and w.death is not None:
-                    raise w.death
+        self._before_send(targets)
         groups = self._group(weights, targets, partial)
-        deadline = _deadline(self._limit(timeout))
-        assert self._send_lock is not None
-        async with self._send_lock:
+        async with self._sending(timeout) as deadline:
             self._check_running()
             plan = self._split_partial(groups)
             written: list[tuple[Slot, list[int]]] = []
@@ -487,7 +399,7 @@ class Sender:
         worker_ids: int | Iterable[int] | None = None,
         *,
         quorum: int | None = None,
-        timeout: Timeout | object = ...,
+        timeout: float | None | UseDefault = DEFAULT,
         what: str | None = None,
     ) -> None:
         """Wait until the targeted workers applied *version* (default: all sent so far).
@@ -498,85 +410,11 @@ class Sender:
         ``on_worker_error="skip"``), :class:`SyncTimeoutError` after *timeout* seconds,
         :class:`ValueError` for a version not sent yet.
         """
-        if self._state == "closed":
-            raise ClosedError("the sender is closed")
-        if version is not None and version > self._version:
-            raise ValueError(f"version {version} was not sent yet (the newest is {self._version})")
-        targets = self._targets(worker_ids)
-        sent = {i: self._sent(self._workers[i]) for i in targets}
-        wanted = {i: (sent[i] if version is None else version) for i in targets}
-        wanted = {i: v for i, v in wanted.items() if v >= 0 and sent[i] >= v}
-        need = len(wanted) if quorum is None else quorum
-        if need > len(wanted):
-            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
-        limit = self._limit(timeout)
-        what = what or ("wait_async" if version is None else f"wait for version {version}")
-
-        def settled() -> bool:
-            if self._settled(wanted, need, quorum is not None):
-                return True
-            if self._state == "closed":
-                raise ClosedError("the sender was closed while waiting")
-            return False
-
-        if not await self._changed.wait_until(settled, limit):
-            pending = {i: self._applied(self._workers[i]) for i, v in wanted.items() if self._applied(self._workers[i]) < v}
-            raise SyncTimeoutError(what, pending, limit, never_connected=self._never_connected(pending))
-
-    def _settled(self, wanted: dict[int, int], need: int, quorum: bool) -> bool:
-        """True once *need* workers applied their wanted version; raise if that cannot happen."""
-        done = 0
-        open_ = 0
-        failure: BaseException | None = None
-        for i, v in wanted.items():
-            w = self._workers[i]
-            link = w.link
-            applied = link.applied if link is not None and w.state == "connected" else -1
-            if applied >= v:
-                done += 1
-            elif w.state == "connected" and link is not None and link.responded >= v:
-                failure = failure or WorkerError(i, link.rejected, link.last_error or "rejected")
-            elif w.state in ("dead", "left"):
-                if self.on_worker_error == "skip" and not quorum:
-                    done += 1  # skipped: the living workers are what counts
-                else:
-                    assert w.death is not None
-                    failure = failure or w.death
-            elif w.state == "stopped":
-                failure = failure or ClosedError(f"worker {i} stopped before applying version {v}")
-            else:
-                open_ += 1
-        if done >= need:
-            return True
-        if failure is not None and (not quorum or done + open_ < need):
-            raise failure
-        return False
+        await self._wait(version, worker_ids, quorum, timeout, what)
 
     def statistics(self) -> SenderStatistics:
         """A snapshot of versions, lags, errors, slots and timings."""
-        workers = []
-        for i, w in self._workers.items():
-            link = w.link
-            applied = self._applied(w)
-            sent = self._sent(w)
-            held = self._ledger.links.get(i)
-            workers.append(
-                WorkerStatistics(
-                    worker_idx=i,
-                    state=w.state,
-                    pid=w.pid,
-                    exitcode=w.exitcode,
-                    sent_version=sent,
-                    applied_version=applied,
-                    lag=max(self._version - applied, 0) if sent >= 0 else 0,
-                    last_error=link.last_error if link is not None else None,
-                    stage_ms=link.stage_s * 1e3 if link is not None else 0.0,
-                    commit_ms=link.commit_s * 1e3 if link is not None else 0.0,
-                    generation=w.generation,
-                    in_flight_version=held.in_flight.version if held is not None and held.in_flight is not None else None,
-                    reason=w.death.reason if w.death is not None else None,
-                )
-            )
+        workers = self._acks.rows(self._version, self._in_flight)
         return SenderStatistics(
             version=self._version,
             sends=self._sends,
@@ -584,8 +422,12 @@ class Sender:
             slots=len(self._pool.slots),
             slot_bytes=self._layout.nbytes,
             last_copy_ms=self._last_copy_s * 1e3,
-            workers=tuple(workers),
+            workers=workers,
         )
+
+    def _in_flight(self, w: _Worker) -> dict[str, Any]:
+        held = self._ledger.links.get(w.idx)
+        return {"in_flight_version": held.in_flight.version if held is not None and held.in_flight is not None else None}
 
     async def aclose(self, timeout: float = 10.0, *, stop: bool = True) -> None:
         """Stop every receiver, wait (bounded) for them to end, release everything. Idempotent.
@@ -596,20 +438,13 @@ class Sender:
         """
         if self._state == "closed":
             return
-        was_running = self._state == "running" and stop
-        self._state = "closing"
-        self._changed.notify()
         with anyio.CancelScope(shield=True):
-            if was_running:
-                for w in self._workers.values():
-                    if w.state == "connected" and w.link is not None:
-                        try:
-                            w.link.queue.put_bytes_nowait(encode(Stop()))
-                        except Exception:
-                            pass
-                await self._changed.wait_until(lambda: all(w.state != "connected" for w in self._workers.values()), timeout)
-            self._state = "closed"
-            self._changed.notify()
+            await self._stop_peers(
+                timeout,
+                stop,
+                lambda: [w.link for w in self._workers.values() if w.state == "connected" and w.link is not None],
+                lambda link: link.queue.put_bytes_nowait(encode(Stop())),
+            )
             for w in self._workers.values():
                 if w.link is not None:
                     w.link.queue._unlisten()  # nothing is dispatched once closed
@@ -626,9 +461,7 @@ class Sender:
                         w.link.child_conn.close()
                         w.link.child_conn = None
                 self._drop_sentinel(w)
-            if self._executor is not None:
-                ex, self._executor = self._executor, None
-                ex.shutdown(wait=True)  # at most one copy still running
+            self._copier.close()  # at most one copy still running
             self._pool.close()
 
     def __del__(self) -> None:
@@ -642,67 +475,25 @@ class Sender:
 
     # ----------------------------------------------------------------- internals
 
-    def _limit(self, timeout: Timeout | object) -> Timeout:
-        return self.timeout if timeout is ... else timeout  # type: ignore[return-value]
-
-    def _check_running(self) -> None:
-        if self._state == "new":
-            raise RuntimeError("call `await scheme.connect()` before sending")
-        if self._state != "running":
-            raise ClosedError("the sender is closed")
-
     def _worker(self, idx: int) -> _Worker:
-        try:
-            return self._workers[idx]
-        except KeyError:
-            raise ValueError(f"unknown worker id {idx!r}; workers are {sorted(self._workers)}") from None
+        return self._record(idx)
 
     def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
-        if worker_ids is None:
-            return list(self._workers)
         if isinstance(worker_ids, bool):
             raise TypeError("worker_ids must be an int, a list of ints or None")
-        ids = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
-        for i in ids:
-            if not isinstance(i, int) or isinstance(i, bool):
-                raise TypeError(f"worker id {i!r} is not an int")
-            self._worker(i)
-        if not ids:
-            raise ValueError("worker_ids is empty")
-        return list(dict.fromkeys(ids))
+        return self._parse_targets(worker_ids, _is_index, "an int")
 
     def _group(self, weights: Any, targets: list[int], partial: bool) -> list[tuple[Mapping[str, torch.Tensor], list[int]]]:
         """Which validated weights go to which targets: one group per distinct source."""
         if weights is not None:
-            return [(self._validated(to_flat(weights, self._source_layout), partial), targets)]
+            return [(self._reader.weights(weights, partial, self.check_finite), targets)]
         groups: dict[int, tuple[Mapping[str, torch.Tensor], list[int]]] = {}
         for i in targets:  # workers sharing one source share one slot
-            source = self._sources[i]
-            if isinstance(source, ModelRef):
-                source = source.resolve()
+            source = self._reader.resolve(self._sources[i])
             if id(source) not in groups:
-                groups[id(source)] = (self._read_source(source), [])
+                groups[id(source)] = (self._reader.source(source, self.check_finite), [])
             groups[id(source)][1].append(i)
         return list(groups.values())
-
-    def _read_source(self, source: Any) -> Mapping[str, torch.Tensor]:
-        """A configured source's weights: validated once, then only checked cheaply."""
-        known = self._known.get(id(source))
-        flat = known.current() if known is not None and known.obj is source else None
-        if flat is None:
-            flat = self._validated(to_flat(source, self._source_layout), partial=False)
-            known = KnownSource.of(source, flat)
-            if known is not None:
-                self._known[id(source)] = known
-        elif self.check_finite:
-            validate(flat, self._source_layout, check_finite=True, wire_layout=self._layout)
-        return flat
-
-    def _validated(self, flat: dict[str, torch.Tensor], partial: bool) -> dict[str, torch.Tensor]:
-        if not flat:
-            raise WeightsError("the weights hold no tensors")
-        validate(flat, self._source_layout, partial=partial, check_finite=self.check_finite, wire_layout=self._layout)
-        return flat
 
     def _split_partial(
         self, groups: list[tuple[Mapping[str, torch.Tensor], list[int]]]
@@ -710,7 +501,7 @@ class Sender:
         """A partial update is completed from the slot holding each target's newest version."""
         out: list[tuple[Mapping[str, torch.Tensor], list[int], int | None]] = []
         for flat, members in groups:
-            if len(flat) == len(self._source_layout.specs):
+            if self._reader.is_whole(flat):  # type: ignore[arg-type]
                 out.append((flat, members, None))
                 continue
             by_base: dict[int | None, list[int]] = {}
@@ -723,7 +514,7 @@ class Sender:
                 out.append((flat, ids, base))
         return out
 
-    async def _acquire_slot(self, deadline: float | None) -> Slot:
+    async def _acquire_slot(self, deadline: Deadline) -> Slot:
         slot = self._pool.acquire()
         if slot is not None:  # the common case: no closure, no wait
             return slot
@@ -744,15 +535,15 @@ class Sender:
                 )
             return False
 
-        timeout = _remaining(deadline)
+        timeout = deadline.remaining()
         if not await self._changed.wait_until(free_slot, timeout):
-            pending = {i: self._applied(w) for i, w in self._workers.items() if (lk := self._ledger.links.get(i)) and lk.in_flight}
+            pending = {i: w.applied for i, w in self._workers.items() if (lk := self._ledger.links.get(i)) and lk.in_flight}
             raise SyncTimeoutError("waiting for a free shared-memory slot", pending, timeout)
         return got[0]
 
     def _can_free_a_slot(self) -> bool:
         """Whether an outstanding answer or a finishing copy can still free a slot."""
-        if self._copy_future is not None and not self._copy_future.done():
+        if self._copier.busy:
             return True
         return any(link.in_flight is not None or link.staged is not None for link in self._ledger.links.values())
 
@@ -771,29 +562,13 @@ class Sender:
             base_views = self._pool.views(self._pool.get(base))
             src = [flat[k] if k in flat else base_views[k] for k in keys]
         t0 = time.perf_counter()
-        if self._layout.nbytes < _THREAD_COPY_BYTES:
-            copy_tensors(dst, src)
-        else:
-            if self._copy_future is not None and not self._copy_future.done():
-                # A cancelled send's copy still runs: at most one slot is written off the books.
-                await asyncio.shield(asyncio.wrap_future(self._copy_future))
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-copy")
-            cfut = self._executor.submit(copy_tensors, dst, src)
-            self._copy_future = cfut
-            try:
-                await asyncio.shield(asyncio.wrap_future(cfut))
-            except BaseException:
-                # The copy thread cannot be stopped: the slot stays reserved until it is done.
-                slot.copying = True
-                loop = asyncio.get_running_loop()
 
-                def _done(_f: object) -> None:
-                    if not loop.is_closed():
-                        loop.call_soon_threadsafe(self._written_late, slot)
+        def keep() -> None:  # the copy thread still writes it: reserved until it is done
+            slot.copying = True
 
-                cfut.add_done_callback(_done)
-                raise
+        await self._copier.run(
+            copy_tensors, dst, src, inline=self._layout.nbytes < THREAD_COPY_BYTES, keep=keep, release=lambda: self._written_late(slot)
+        )
         self._last_copy_s = time.perf_counter() - t0
         self._bytes += self._layout.nbytes
 
@@ -876,10 +651,8 @@ class Sender:
         await self._on_lost(w, link)
 
     def _on_hello(self, w: _Worker, link: _Link, msg: Hello) -> None:
-        link.pid = w.pid = msg.pid
-        w.state = "connected"
-        w.death = None
-        w.exitcode = None
+        link.pid = msg.pid
+        self._acks.connected(w.idx, msg.pid, link.generation)
         if link.child_conn is not None:
             link.child_conn.close()  # the worker holds its own copy now: EOF will mean it is gone
             link.child_conn = None
@@ -897,14 +670,7 @@ class Sender:
                 self.on_ack(w.idx, ack)
             except Exception:  # the hook's failure is not the worker's: it stays connected
                 logger.exception("worker %d: the on_ack hook failed", w.idx)
-        link.responded = max(link.responded, ack.version)
-        if ack.ok:
-            link.applied = max(link.applied, ack.version)
-            link.last_error = None
-            link.stage_s, link.commit_s = ack.stage_s, ack.commit_s
-        else:
-            link.rejected = max(link.rejected, ack.version)
-            link.last_error = ack.error
+        self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)
         self._after_answer(w)
 
     def _after_answer(self, w: _Worker) -> None:
@@ -921,32 +687,31 @@ class Sender:
         if broken is None:
             self._drain(w, link)
         if self._state in ("closing", "closed") and w.state == "connected":
-            w.state = "stopped"
+            self._acks.stopped(w.idx)
         elif broken is not None:
-            w.state = "dead"
-            w.death = WorkerDiedError(
+            death = WorkerDiedError(
                 w.idx, None, link.pid, reason=f"it sent a malformed message ({type(broken).__name__}: {broken}); its channel was closed"
             )
-            w.death.__cause__ = broken
+            death.__cause__ = broken
+            self._acks.lost(w.idx, "dead", death)
             w.process = None  # its process may run on: it is no longer this worker
             self._drop_sentinel(w)
         elif link.bye is not None:
-            w.state = "left"
-            w.death = WorkerLeftError(w.idx, link.bye.reason, link.bye.version, link.pid)
+            self._acks.lost(w.idx, "left", WorkerLeftError(w.idx, link.bye.reason, link.bye.version, link.pid))
             w.process = None  # its process may run on: it is no longer this worker
             self._drop_sentinel(w)
         else:
             process = w.process
+            exitcode = None
             if process is not None:
                 # The pipe may close a moment before the process is reaped: wait for the exit code.
                 with anyio.move_on_after(1.0):
                     while getattr(process, "exitcode", None) is None:
                         await anyio.sleep(0.005)
-                w.exitcode = getattr(process, "exitcode", None)
+                exitcode = getattr(process, "exitcode", None)
             if link is not w.link:
                 return
-            w.state = "dead"
-            w.death = WorkerDiedError(w.idx, w.exitcode, link.pid)
+            self._acks.lost(w.idx, "dead", WorkerDiedError(w.idx, exitcode, link.pid), exitcode)
             w.process = None
             self._drop_sentinel(w)
         if self.on_lost is not None and w.death is not None and w.state in ("dead", "left"):
@@ -967,7 +732,6 @@ class Sender:
         link.queue.close()
         if self._state == "running":
             # A replacement for this index can attach through a new channel.
-            w.death_generation = link.generation
             new = self._new_link(w)
             self._ledger.connect(w.idx)
             self._start_tasks(w, new, asyncio.get_running_loop())
@@ -975,12 +739,5 @@ class Sender:
         self._changed.notify()
 
 
-def _deadline(timeout: Timeout) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _remaining(deadline: float | None) -> Timeout:
-    if deadline is None:
-        return None
-    return max(deadline - time.monotonic(), 0.0)
-
+def _is_index(i: object) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool)

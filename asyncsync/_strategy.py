@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import difflib
 import operator
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDictBase
 from torch import nn
 
 from ._errors import WeightsError
@@ -23,6 +23,13 @@ __all__ = ["KnownSource", "Strategy", "named_tensors", "to_flat", "validate", "b
 
 Strategy = Literal["tensordict", "state_dict"]
 STRATEGIES = ("tensordict", "state_dict")
+
+
+def _is_tensordict(weights: Any) -> bool:
+    # tensordict is imported where it is used (it takes seconds): weights cannot be one of its
+    # objects before it was imported.
+    td = sys.modules.get("tensordict")
+    return td is not None and isinstance(weights, td.TensorDictBase)
 
 
 def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -107,7 +114,7 @@ def to_flat(weights: Any, layout: Layout | None = None) -> dict[str, torch.Tenso
         if not flat:
             raise WeightsError(f"{type(weights).__name__} has no parameters or buffers to send")
         return _module_for_layout(weights, flat, layout)
-    if isinstance(weights, TensorDictBase):
+    if _is_tensordict(weights):
         flat_td = weights.flatten_keys(".")
         out: dict[str, torch.Tensor] = {}
         for key in flat_td.keys(include_nested=True, leaves_only=True):

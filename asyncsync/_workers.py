@@ -18,15 +18,25 @@ original exception as ``__cause__`` when it pickles); on exit every child is joi
 with a deadline, then terminated, then killed: no child survives the block, and no
 child outlives a parent that was killed (see ``orphan_grace``). No manager process is
 started (aiomultiprocess's ``Process`` starts one; ours passes results over a pipe).
+
+Start methods: ``spawn`` (the default: each worker is a fresh interpreter, which imports
+torch itself: seconds) or ``forkserver`` (``start_method="forkserver"``, or the
+``ASYNCSYNC_START_METHOD`` environment variable): one server process imports torch,
+tensordict and asyncsync once, and each worker is forked from it, ready in a fraction of
+a second. Neither copies the trainer's state into a worker. Progress is logged on the
+``asyncsync`` logger at INFO (``logging.basicConfig(level=logging.INFO)`` shows it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import multiprocessing as mp
+import os
 import pickle
 import sys
+import time
 import traceback
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
@@ -36,10 +46,49 @@ import aiomultiprocess
 import anyio
 from aiomultiprocess.types import Unit
 
-from ._errors import BrokenChannelError, SyncTimeoutError, WorkerProcessError
+from ._errors import AsyncSyncError, BrokenChannelError, SyncTimeoutError, WorkerProcessError, WouldBlock
 from ._queues import AsyncQueue
 
 __all__ = ["WorkerGroup", "spawn_workers"]
+
+logger = logging.getLogger("asyncsync")
+
+START_METHODS = ("spawn", "forkserver")
+# What a forkserver imports once, so that the workers forked from it need not.
+FORKSERVER_PRELOAD = ("torch", "tensordict", "asyncsync")
+# How long a worker may take to start (import its modules, unpickle its arguments).
+START_TIMEOUT = 600.0
+
+
+def _context(ctx: mp.context.BaseContext | None, start_method: str | None) -> mp.context.BaseContext:
+    """The multiprocessing context for workers: *ctx*, else *start_method*, else
+    ``$ASYNCSYNC_START_METHOD``, else spawn."""
+    if ctx is not None:
+        if start_method is not None:
+            raise ValueError("pass ctx or start_method, not both")
+        if ctx.get_start_method() not in START_METHODS:
+            raise ValueError(f"asyncsync workers need the 'spawn' or 'forkserver' start method, not {ctx.get_start_method()!r}")
+        return ctx
+    env = os.environ.get("ASYNCSYNC_START_METHOD") if start_method is None else None
+    method = start_method or env or "spawn"
+    if method not in START_METHODS:
+        origin = " (from $ASYNCSYNC_START_METHOD)" if env else ""
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {method!r}{origin}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # in force when the server starts
+    return ctx
+
+
+class _RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process, as text (its ``__cause__``)."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\"\"\"\n" + self.tb.rstrip() + "\n\"\"\""
 
 
 class _Process(aiomultiprocess.Process):  # type: ignore[misc]
@@ -47,13 +96,33 @@ class _Process(aiomultiprocess.Process):  # type: ignore[misc]
 
     ``aiomultiprocess.Process.__init__`` starts a ``multiprocessing`` manager (one more
     process, which outlives a killed parent) only to hold a result namespace; results and
-    errors travel over our own pipe instead. The child side is aiomultiprocess's own
-    ``run_async`` (a fresh event loop running the coroutine).
+    errors travel over our own pipe instead. The child side is :func:`_run_child`.
     """
 
-    def __init__(self, ctx: mp.context.BaseContext, target: Callable[..., Any], args: tuple[Any, ...], name: str, daemon: bool) -> None:
-        self.unit = Unit(target=target, args=args, kwargs={}, namespace=None)
-        self.aio_process = ctx.Process(target=aiomultiprocess.Process.run_async, args=(self.unit,), name=name, daemon=daemon)  # type: ignore[attr-defined]
+    def __init__(
+        self,
+        ctx: mp.context.BaseContext,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        name: str,
+        daemon: bool,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> None:
+        self.unit = Unit(target=target, args=args, kwargs={}, namespace=None, loop_initializer=loop_factory)
+        self.aio_process = ctx.Process(target=_run_child, args=(self.unit,), name=name, daemon=daemon)  # type: ignore[attr-defined]
+
+
+def _run_child(unit: Unit) -> None:
+    """A worker process's target: a fresh event loop (``unit.loop_initializer``'s, or
+    asyncio's) running :func:`_child_entry`.
+
+    A function that raised exits with code 1 and no traceback of ours on stderr: the
+    parent gets the function's own exception and traceback over the result pipe.
+    """
+    loop = unit.loop_initializer() if unit.loop_initializer is not None else asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    if loop.run_until_complete(unit.target(*unit.args, **unit.kwargs)):
+        sys.exit(1)
 
 
 async def _child_entry(
@@ -64,7 +133,10 @@ async def _child_entry(
     orphan_grace: float,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> None:
+) -> bool:
+    """Run the worker function; report its start, then its result or error. True: it failed."""
+    # The function and its arguments are unpickled (their modules imported): say so.
+    _send(conn, ("started", os.getpid()))
     main = asyncio.ensure_future(fn(worker_idx, *args, **kwargs))
     parent_gone = asyncio.ensure_future(_wait_eof(lifeline))
     await asyncio.wait({main, parent_gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -78,13 +150,29 @@ async def _child_entry(
     await asyncio.wait({parent_gone})
     lifeline.close()
     try:
-        result = main.result()
-    except BaseException as exc:  # report over our own channel, then exit non-zero
-        tb = traceback.format_exc()
-        _report(conn, ("error", exc, tb), ("error", None, tb))
-        sys.stderr.flush()
-        raise SystemExit(1) from None
-    _report(conn, ("ok", result, ""), ("error", None, f"result of worker {worker_idx} cannot be pickled"))
+        exc = main.exception()
+    except asyncio.CancelledError as cancelled:
+        exc = cancelled
+    if exc is not None:  # report over our own channel, then exit non-zero
+        _send(conn, _error_report(exc))
+        conn.close()
+        return True
+    result = main.result()
+    if not _send(conn, ("ok", result)):
+        _send(conn, ("error", None, "", "", f"the result of worker {worker_idx} cannot be pickled"))
+    conn.close()
+    return False
+
+
+def _error_report(exc: BaseException) -> tuple[str, bytes | None, str, str, str]:
+    """``("error", pickled exception or None, formatted traceback, type name, message)``."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        payload: bytes | None = pickle.dumps(exc)
+        pickle.loads(payload)  # an exception whose __init__ takes other arguments does not load
+    except Exception:
+        payload = None
+    return ("error", payload, tb, type(exc).__qualname__, str(exc))
 
 
 async def _wait_eof(conn: Any) -> None:
@@ -94,15 +182,15 @@ async def _wait_eof(conn: Any) -> None:
         pass
 
 
-def _report(conn: Any, message: tuple[Any, ...], fallback: tuple[Any, ...]) -> None:
+def _send(conn: Any, message: tuple[Any, ...]) -> bool:
+    """Send *message* to the parent; False if it does not pickle (the parent being gone is fine)."""
     try:
-        try:
-            conn.send(message)
-        except (pickle.PicklingError, TypeError, AttributeError):
-            conn.send(fallback)
+        conn.send(message)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return False
     except OSError:
         pass  # the parent is gone
-    conn.close()
+    return True
 
 
 class WorkerGroup:
@@ -156,6 +244,9 @@ class WorkerGroup:
         daemon: bool = False,
         orphan_grace: float = 5.0,
         ctx: mp.context.BaseContext | None = None,
+        start_method: str | None = None,
+        start_timeout: float = START_TIMEOUT,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
@@ -171,12 +262,13 @@ class WorkerGroup:
         self.join_timeout = join_timeout
         self.daemon = daemon  # daemonic workers cannot start processes of their own
         self.orphan_grace = orphan_grace
-        self.ctx = ctx if ctx is not None else mp.get_context("spawn")
-        if self.ctx.get_start_method() != "spawn":
-            raise ValueError("asyncsync workers need the 'spawn' start method")
+        self.start_timeout = start_timeout
+        self.ctx = _context(ctx, start_method)
+        self.loop_factory = loop_factory if loop_factory is not None else _caller_loop_factory()
         self.processes: dict[int, aiomultiprocess.Process] = {}
         self.results: dict[int, Any] = {}
-        self._outcomes: dict[int, tuple[str, Any, str]] = {}
+        self._outcomes: dict[int, _Outcome] = {}
+        self._started: set[int] = set()
         self._results: dict[int, AsyncQueue[Any]] = {}
         self._lifelines: dict[int, Any] = {}
         self._closed = False
@@ -184,7 +276,10 @@ class WorkerGroup:
     # -------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Spawn every worker (``async with`` does this)."""
+        """Start every worker (``async with`` does this, then waits for :meth:`wait_started`)."""
+        n = len(self.worker_ids)
+        logger.info("asyncsync: starting %d worker%s (%s)...", n, "" if n == 1 else "s", self.ctx.get_start_method())
+        self._t_start = time.monotonic()
         for i in self.worker_ids:
             self._start_one(i)
 
@@ -198,6 +293,7 @@ class WorkerGroup:
             (self.fn, idx, results_w, lifeline_r, self.orphan_grace, self.args, self.kwargs),
             name=f"asyncsync-worker-{idx}",
             daemon=self.daemon,
+            loop_factory=self.loop_factory,
         )
         try:
             proc.start()
@@ -211,11 +307,90 @@ class WorkerGroup:
             old.close()
         self._lifelines[idx] = lifeline_w
         self._outcomes.pop(idx, None)
+        self._started.discard(idx)
         if self.scheme is not None and getattr(self.scheme, "_sender", None) is not None:
             self.scheme.watch_process(idx, proc.aio_process)
 
+    async def wait_started(self, timeout: float | None = START_TIMEOUT) -> None:
+        """Wait until every worker process runs its function (its imports done).
+
+        ``async with`` calls it (with ``start_timeout``), so that a scheme's ``connect``
+        timeout counts from there: starting a process is mostly importing torch, seconds,
+        more on a busy machine. Raises :class:`WorkerProcessError` if a process exits
+        before it started, :class:`SyncTimeoutError` after *timeout* seconds.
+        """
+        t0 = time.monotonic()
+        waits = [asyncio.ensure_future(self._wait_started_one(idx)) for idx in self.processes]
+        try:
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.wait(waits)
+        for w in done:
+            if w.exception() is not None:
+                raise w.exception()  # type: ignore[misc]
+        if len(done) < len(waits):
+            waiting = {i: -1 for i in self.processes if i not in self._started}
+            raise SyncTimeoutError("waiting for worker processes to start", waiting, timeout)
+        n = len(self.processes)
+        since = getattr(self, "_t_start", t0)
+        logger.info("asyncsync: %d/%d worker%s started in %.1f s", n, n, "" if n == 1 else "s", time.monotonic() - since)
+
+    async def _wait_started_one(self, idx: int) -> None:
+        while idx not in self._started:
+            if idx in self._outcomes:  # it ended before it started
+                raise self._error(idx, self._outcomes[idx])
+            await self._receive(idx)
+
+    async def _receive(self, idx: int) -> None:
+        """Take the next message from worker *idx* (blocking); record its start or its outcome."""
+        try:
+            message = await self._results[idx].get()
+        except BrokenChannelError:
+            await self._wait_exit(idx, 5.0)
+            code = self.processes[idx].exitcode
+            when = "without a result" if idx in self._started else "before it started (see its stderr)"
+            self._outcomes[idx] = _Outcome(None, f"the process exited with code {code} {when}")
+            return
+        self._take(idx, message)
+
+    def _take(self, idx: int, message: tuple[Any, ...]) -> None:
+        if message[0] == "started":
+            self._started.add(idx)
+        elif message[0] == "ok":
+            self._started.add(idx)
+            self._outcomes[idx] = _Outcome(message[1])
+        else:
+            _, payload, tb, type_name, text = message
+            exc = None
+            if payload is not None:
+                try:
+                    exc = pickle.loads(payload)
+                except Exception:  # a class the parent cannot import
+                    exc = None
+            label = f"{type_name}: {text}" if type_name else text
+            self._started.add(idx)
+            self._outcomes[idx] = _Outcome(None, label, tb, exc)
+
+    def _drain(self) -> None:
+        """Take, without waiting, whatever each worker already reported."""
+        for idx, queue in self._results.items():
+            while idx not in self._outcomes:
+                try:
+                    self._take(idx, queue.get_nowait())
+                except (WouldBlock, BrokenChannelError):
+                    break
+                except Exception:  # a result that does not unpickle here
+                    break
+
     async def __aenter__(self) -> WorkerGroup:
         self.start()
+        try:
+            await self.wait_started(self.start_timeout)
+        except BaseException:
+            await self.aclose(grace=0.0)
+            raise
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -224,8 +399,45 @@ class WorkerGroup:
                 await self.join(timeout=self.join_timeout)
             finally:
                 await self.aclose()
-        else:
-            await self.aclose(grace=0.0 if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, asyncio.CancelledError)) else 2.0)
+            return
+        interrupted = exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, asyncio.CancelledError))
+        await self.aclose(grace=0.0 if interrupted else 2.0)
+        if exc is None or interrupted:
+            return
+        failures = self._failures()
+        if not failures:
+            return
+        if isinstance(exc, AsyncSyncError) and not isinstance(exc, WorkerProcessError):
+            # Most likely a consequence (the worker died, so a send failed): the worker's own
+            # error is what the user needs to see.
+            err = failures[0]
+            if hasattr(err, "add_note"):
+                err.add_note(f"(the trainer saw: {type(exc).__name__}: {exc})")
+            raise err
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            for err in failures:
+                exc.add_note(f"meanwhile, in a worker process: {err}")
+
+    def _failures(self) -> list[WorkerProcessError]:
+        """A :class:`WorkerProcessError` for each worker that reported an error (in worker order),
+        its ``__cause__`` set."""
+        out = []
+        for idx, outcome in sorted(self._reported().items()):
+            if not outcome.ok:
+                out.append(self._error(idx, outcome))
+        return out
+
+    def _error(self, idx: int, outcome: _Outcome) -> WorkerProcessError:
+        err = WorkerProcessError(idx, outcome.label, outcome.tb)
+        cause: BaseException | None = outcome.exc
+        if outcome.tb:
+            remote = _RemoteTraceback(outcome.tb)
+            if cause is None:
+                cause = remote
+            else:
+                cause.__cause__ = remote
+        err.__cause__ = cause
+        return err
 
     # -------------------------------------------------------------- control
 
@@ -238,7 +450,8 @@ class WorkerGroup:
 
         The new process receives the scheme with a fresh channel for ``worker_idx``
         and gets the latest weights when it connects; the other workers are untouched.
-        With a scheme, returns once the replacement has applied those weights.
+        With a scheme, returns once the replacement has applied those weights (*timeout*
+        bounds each wait after the process started; starting is bounded by ``start_timeout``).
         """
         old = self.processes[worker_idx]
         if old.is_alive():
@@ -249,8 +462,13 @@ class WorkerGroup:
         await self._results[worker_idx].aclose()
         old.close()
         self._start_one(worker_idx)
+        try:
+            with anyio.fail_after(self.start_timeout):
+                await self._wait_started_one(worker_idx)
+        except TimeoutError:
+            raise SyncTimeoutError(f"waiting for worker {worker_idx}'s new process to start", {worker_idx: -1}, self.start_timeout) from None
         if self.scheme is not None and getattr(self.scheme, "_sender", None) is not None:
-            await self.scheme.sender.wait_joined(worker_idx, timeout=timeout + 30.0)
+            await self.scheme.sender.wait_joined(worker_idx, timeout=timeout)
 
     async def _wait_exit(self, idx: int, timeout: float | None) -> bool:
         proc = self.processes[idx]
@@ -264,7 +482,9 @@ class WorkerGroup:
     async def join(self, timeout: float | None = None) -> dict[int, Any]:
         """Wait for every worker to finish; return ``{worker_idx: result}``.
 
-        Raises :class:`WorkerProcessError` for the first worker that raised or crashed.
+        Raises :class:`WorkerProcessError` for the first worker that raised or crashed:
+        its message names the worker's exception type and message, its ``__cause__`` is that
+        exception (when it pickles), whose own cause holds the worker's traceback.
         """
         try:
             with anyio.fail_after(math.inf if timeout is None else timeout):
@@ -274,32 +494,19 @@ class WorkerGroup:
         except TimeoutError:
             running = {i: -1 for i, p in self.processes.items() if p.exitcode is None}
             raise SyncTimeoutError("joining workers", running, timeout) from None
-        outcomes = self._reported()
-        for idx in sorted(outcomes):
-            status, value, tb = outcomes[idx]
-            if status != "ok":
-                err = WorkerProcessError(idx, str(value) if value is not None else tb.strip().splitlines()[-1] if tb else "failed", tb)
-                if isinstance(value, BaseException):
-                    raise err from value
-                raise err
-        self.results = {i: outcomes[i][1] for i in sorted(outcomes)}
+        failures = self._failures()
+        if failures:
+            raise failures[0]
+        self.results = {i: o.value for i, o in sorted(self._reported().items())}
         return self.results
 
-    def _reported(self) -> dict[int, tuple[str, Any, str]]:
+    def _reported(self) -> dict[int, _Outcome]:
         """The outcomes :meth:`join` reports: all (``asyncsync.testing`` leaves out the workers it killed)."""
         return self._outcomes
 
     async def _collect(self, idx: int) -> None:
-        if idx in self._outcomes:
-            return
-        queue = self._results[idx]
-        try:
-            self._outcomes[idx] = await queue.get()
-        except BrokenChannelError:
-            await self._wait_exit(idx, 5.0)
-            code = self.processes[idx].exitcode
-            self._outcomes[idx] = ("error", None, f"process exited with code {code} without a result")
-            return
+        while idx not in self._outcomes:
+            await self._receive(idx)
         await self._wait_exit(idx, 5.0)
 
     async def aclose(self, grace: float = 2.0) -> None:
@@ -314,6 +521,7 @@ class WorkerGroup:
                     if not await self._wait_exit(idx, 2.0):
                         self.processes[idx].kill()
                         await self._wait_exit(idx, 5.0)
+            self._drain()  # what they reported before they ended: __aexit__ raises it
             for q in self._results.values():
                 await q.aclose()
             for lifeline in self._lifelines.values():
@@ -323,6 +531,30 @@ class WorkerGroup:
                     p.close()
                 except ValueError:
                     pass
+
+
+class _Outcome:
+    """How one worker process ended: ``ok`` with *value*, or an error (*label*, *tb*, *exc*)."""
+
+    def __init__(self, value: Any, label: str | None = None, tb: str = "", exc: BaseException | None = None) -> None:
+        self.ok = label is None
+        self.value = value
+        self.label = label or ""
+        self.tb = tb
+        self.exc = exc
+
+
+def _caller_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory if the calling code runs on uvloop, else None (asyncio's)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    if type(loop).__module__.split(".")[0] == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return None
 
 
 def spawn_workers(
@@ -336,6 +568,9 @@ def spawn_workers(
     join_timeout: float = 30.0,
     daemon: bool = False,
     orphan_grace: float = 5.0,
+    start_method: str | None = None,
+    start_timeout: float = START_TIMEOUT,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
 ) -> WorkerGroup:
     """A :class:`WorkerGroup` to use as ``async with``; see the module docstring.
 
@@ -343,6 +578,15 @@ def spawn_workers(
     worker's death is noticed at once through its process sentinel. If the parent dies,
     each worker's function gets *orphan_grace* seconds to end (a scheme's receiver raises
     :class:`SenderDiedError` at once), then it is cancelled and the process exits.
+    *start_method* is ``"spawn"`` (default; or ``$ASYNCSYNC_START_METHOD``) or ``"forkserver"``
+    (workers forked from a server that imported torch, tensordict and asyncsync once: much
+    faster to start). ``async with`` returns once every process runs *fn*, within
+    *start_timeout* seconds; a worker that raises is reported as :class:`WorkerProcessError`
+    with its exception's type, message and traceback, also when the block fails because
+    that worker died.
+    Each worker runs *fn* on a fresh event loop made by *loop_factory* (it must pickle,
+    e.g. ``uvloop.new_event_loop``); by default, the kind of loop ``spawn_workers`` is
+    called from: uvloop's under uvloop, else asyncio's.
 
     Example (a script: spawned workers import their function from it)::
 
@@ -369,5 +613,9 @@ def spawn_workers(
         if __name__ == "__main__":
             asyncio.run(main())
     """
-    return WorkerGroup(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout, daemon=daemon, orphan_grace=orphan_grace)
+    return WorkerGroup(
+        fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout,
+        daemon=daemon, orphan_grace=orphan_grace, start_method=start_method, start_timeout=start_timeout,
+        loop_factory=loop_factory,
+    )  # fmt: skip
 

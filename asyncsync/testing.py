@@ -31,7 +31,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
-from multiprocessing import resource_sharer, resource_tracker
+from multiprocessing import forkserver, resource_sharer, resource_tracker
 from types import TracebackType
 from typing import Any
 
@@ -46,7 +46,7 @@ from ._loopback import loopback_worker
 from ._receiver import OnUpdate
 from ._scheme import MultiProcessWeightSyncScheme
 from ._signal import Signal
-from ._workers import WorkerGroup
+from ._workers import START_TIMEOUT, WorkerGroup, _Outcome
 
 __all__ = [
     "Faults",
@@ -387,8 +387,9 @@ def open_loopback(
 class LoopbackHosts:
     """A multi-host setup in this event loop: a trainer, one relay per host and each host's
     loopback workers, on a real gloo group and control plane over 127.0.0.1. Use it as
-    ``async with``: on entry everything is connected and every worker runs version 0; on
-    exit everything is closed. Build one with :func:`open_loopback_hosts`.
+    ``async with``: on entry everything is connected and every worker runs version 0
+    (committed, with ``commit_mode="manual"``); on exit everything is closed. Build one
+    with :func:`open_loopback_hosts`.
 
     Attributes:
         trainer: the trainer's :class:`~asyncsync.DistributedWeightSyncScheme`.
@@ -431,7 +432,7 @@ class LoopbackHosts:
     async def __aenter__(self) -> LoopbackHosts:
         try:
             joining = [self.trainer.connect(), *(h.connect() for h in self.hosts.values())]
-            await asyncio.gather(*joining, *(w.connect() for w in self.workers.values()))
+            await asyncio.gather(*joining, *(LoopbackWorkers._join(w) for w in self.workers.values()))
         except BaseException:
             await self.aclose()
             raise
@@ -508,6 +509,8 @@ class ProcessWorkers(WorkerGroup):
         kwargs: Mapping[str, Any] | None = None,
         scheme: Any = None,
         join_timeout: float = 30.0,
+        start_method: str | None = None,
+        start_timeout: float = START_TIMEOUT,
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
@@ -521,6 +524,8 @@ class ProcessWorkers(WorkerGroup):
             kwargs=kwargs,
             scheme=scheme,
             join_timeout=join_timeout,
+            start_method=start_method,
+            start_timeout=start_timeout,
         )
 
     def start(self) -> None:
@@ -535,7 +540,7 @@ class ProcessWorkers(WorkerGroup):
         self._killed.add(worker_idx)
         super().kill(worker_idx)
 
-    def _reported(self) -> dict[int, tuple[str, Any, str]]:
+    def _reported(self) -> dict[int, _Outcome]:
         return {i: outcome for i, outcome in self._outcomes.items() if i not in self._killed}
 
     async def aclose(self, grace: float = 2.0) -> None:
@@ -555,6 +560,8 @@ def open_workers(
     kwargs: Mapping[str, Any] | None = None,
     scheme: Any = None,
     join_timeout: float = 30.0,
+    start_method: str | None = None,
+    start_timeout: float = START_TIMEOUT,
 ) -> ProcessWorkers:
     """Worker processes (spawned) running *fn*, with faults, to use as ``async with``.
 
@@ -601,7 +608,10 @@ def open_workers(
         if __name__ == "__main__":
             asyncio.run(main())
     """
-    return ProcessWorkers(fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout)
+    return ProcessWorkers(
+        fn, num_workers, worker_ids=worker_ids, args=args, kwargs=kwargs, scheme=scheme, join_timeout=join_timeout,
+        start_method=start_method, start_timeout=start_timeout,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- leaks
@@ -632,11 +642,12 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
 
     Child processes: every descendant of this process started in the block and still
     running at its end (zombies, multiprocessing's resource tracker and forkserver, which
-    live as long as the interpreter, are not counted); they are killed before the error is
-    raised, so later tests start clean. Descriptors (unless *descriptors* is False): every
-    entry of ``/proc/self/fd`` opened in the block and still open after a garbage
-    collection (unclosed schemes, sockets, pipes, shared-memory segments, files; not
-    multiprocessing's resource sharer, kept for the interpreter's life). A scheme that
+    live as long as the interpreter, are not counted; workers forked by the forkserver
+    are); they are killed before the error is raised, so later tests start clean.
+    Descriptors (unless *descriptors* is False): every entry of ``/proc/self/fd`` opened in
+    the block and still open after a garbage collection (unclosed schemes, sockets, pipes,
+    shared-memory segments, files; not multiprocessing's resource sharer nor the
+    forkserver's pipe, kept for the interpreter's life). A scheme that
     outlives the block (a module-scoped fixture) may rightly open descriptors in it: a
     slot added under load, a replacement worker's channel; check descriptors where the
     block owns its schemes. Read from ``/proc``: Linux only, as asyncsync is. If the
@@ -679,6 +690,10 @@ def _new_fds(before: Mapping[int, str]) -> dict[int, str]:
         kept = {resource_sharer._resource_sharer._listener._listener._socket.fileno()}  # type: ignore[attr-defined]
     except AttributeError:  # not started (its _listener is None), or another Python's layout
         kept = set()
+    # ... and so does the forkserver's liveness pipe, once a forkserver was started
+    alive = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_alive_fd", None)
+    if alive is not None:
+        kept.add(alive)
     return {fd: target for fd, target in _fds().items() if before.get(fd) != target and fd not in kept}
 
 
@@ -706,17 +721,19 @@ def _descendants() -> dict[int, str]:
         if fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(name))
     out = {}
-    todo = list(children.get(os.getpid(), []))
+    todo = [(pid, "") for pid in children.get(os.getpid(), [])]
     while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
+        pid, parent_cmd = todo.pop()
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        if "multiprocessing.resource_tracker" in cmd or "multiprocessing.forkserver" in cmd:
-            continue  # the interpreter's own helpers, kept for its lifetime
+        todo.extend((child, cmd) for child in children.get(pid, []))
+        if "multiprocessing.resource_tracker" in cmd:
+            continue  # the interpreter's own helper, kept for its lifetime
+        if "multiprocessing.forkserver" in cmd and "multiprocessing.forkserver" not in parent_cmd:
+            continue  # the forkserver itself (kept too); the workers forked from it count
         out[pid] = cmd[:200]
     return out
 

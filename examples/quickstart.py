@@ -6,6 +6,7 @@ Run: python examples/quickstart.py
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
@@ -36,6 +37,10 @@ async def rollout_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) 
 
 
 async def main() -> None:
+    # Each worker process imports torch too (seconds, on a fresh interpreter): the library
+    # logs its progress ("starting 2 workers", "connected") through `logging`, at INFO.
+    t0 = time.perf_counter()
+    print("imports done; starting 2 workers (each imports torch again: a few seconds)...", flush=True)
     torch.manual_seed(0)
     policy = make_policy()
     optim = torch.optim.Adam(policy.parameters(), lr=1e-2)
@@ -44,6 +49,7 @@ async def main() -> None:
 
     async with spawn_workers(rollout_worker, 2, args=(scheme,), scheme=scheme) as workers:
         async with scheme:  # connect(): initial weights to both workers
+            print(f"both workers run version {scheme.version}, {time.perf_counter() - t0:.1f} s after the start; training", flush=True)
             for step in range(1, 11):
                 loss = policy(torch.randn(64, 8)).pow(2).mean()
                 optim.zero_grad()
@@ -63,4 +69,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     asyncio.run(main())

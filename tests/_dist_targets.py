@@ -32,7 +32,9 @@ async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], c
     n = len(probe_conns)
     groups = []
     for i, conn in enumerate(probe_conns):  # one group each: each probe gets its own control pipe
-        g = spawn_workers(probe_worker, worker_ids=[i], args=(scheme, conn, kind, None), scheme=scheme.local, join_timeout=30)
+        # spawn: each worker is then a child of this relay, which tests find (and kill) by pid;
+        # a forkserver would be one more process here, paid again by every relay anyway
+        g = spawn_workers(probe_worker, worker_ids=[i], args=(scheme, conn, kind, None), scheme=scheme.local, join_timeout=30, start_method="spawn")
         g.start()
         groups.append(g)
     outcome = "?"

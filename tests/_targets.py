@@ -158,6 +158,16 @@ async def simple_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, k
     return scheme.version
 
 
+async def unconnected_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+    """The newcomer's mistake on worker 1: waiting on the receiver without ``async with scheme``."""
+    scheme.init_on_receiver(worker_idx=worker_idx, model=make_model())
+    if worker_idx == 1:
+        await scheme.wait_stopped()  # RuntimeError: the receiver was not connected
+    async with scheme:
+        await scheme.wait_stopped()
+    return scheme.version
+
+
 async def failing_worker(worker_idx: int, message: str) -> None:
     raise ValueError(f"{message} from {worker_idx}")
 
@@ -202,8 +212,9 @@ async def orphan_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, r
         report.send(("worker-done", outcome, scheme.version, float(values.min()), float(values.max())))
 
 
-async def kind_from_env_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
-    """simple_worker whose model kind comes from ASYNCSYNC_TEST_KIND (set before a restart)."""
-    import os
-
-    return await simple_worker(worker_idx, scheme, os.environ.get("ASYNCSYNC_TEST_KIND", "mlp"))
+async def kind_from_file_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, path: str) -> int:
+    """simple_worker whose model kind is read from the file *path* when it starts (a test
+    rewrites it before a restart; an environment variable would not reach a forkserver's child)."""
+    with open(path) as f:
+        kind = f.read().strip()
+    return await simple_worker(worker_idx, scheme, kind)

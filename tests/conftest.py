@@ -4,6 +4,10 @@ import os
 
 # Executable ownership invariants on in every test (and in every worker it spawns).
 os.environ.setdefault("ASYNCSYNC_DEBUG", "1")
+# Workers are forked from a forkserver that imported torch, tensordict and asyncsync once
+# (a fraction of a second each, instead of seconds for a spawned interpreter). The tests
+# that are about spawn pass start_method="spawn"; ASYNCSYNC_START_METHOD=spawn runs all so.
+os.environ.setdefault("ASYNCSYNC_START_METHOD", "forkserver")
 
 import asyncio
 import multiprocessing as mp
@@ -19,6 +23,61 @@ from asyncsync.testing import no_leaks
 from tests._targets import make_model, probe_worker
 
 CTX = mp.get_context("spawn")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the forkserver now: it imports torch while the tests are collected."""
+    if os.environ["ASYNCSYNC_START_METHOD"] == "forkserver":
+        from multiprocessing import forkserver
+
+        from asyncsync._workers import FORKSERVER_PRELOAD
+
+        forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        forkserver.ensure_running()
+
+
+# What depends on tensordict's version: CI's second pass (tensordict 0.14.3, torchrl's pin)
+# runs only these (`-m tensordict`): the weights formats, the strategies, the local state
+# machine, the local scheme across processes, and a smoke test of the multi-host scheme.
+TENSORDICT_TESTS = (
+    "tests/test_weights_formats.py",
+    "tests/test_scheme_unit.py",
+    "tests/test_regressions_unit.py",
+    "tests/test_stateful.py",
+    "tests/test_scheme_mp.py",
+    "tests/test_staging_mp.py",
+    "tests/test_variants_mp.py::test_one_worker_variants",
+    "tests/test_dist_loopback.py::test_in_process_round_trip_versions_and_partial",
+    "tests/test_torchrl_",  # torchrl 0.14 is installed only with tensordict 0.14.3
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(TENSORDICT_TESTS):
+            item.add_marker(pytest.mark.tensordict)
+
+# ASYNCSYNC_TEST_LOOP=uvloop: every asyncio test (and fixture) runs on uvloop, and so do the
+# workers it spawns (spawn_workers follows the loop it is called from). CI runs a subset so.
+TEST_LOOP = os.environ.get("ASYNCSYNC_TEST_LOOP", "asyncio")
+
+
+class _UvloopFactories:
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_asyncio_loop_factories(self, config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if TEST_LOOP == "asyncio":
+        return
+    if TEST_LOOP != "uvloop":
+        raise pytest.UsageError(f"ASYNCSYNC_TEST_LOOP must be 'asyncio' or 'uvloop', got {TEST_LOOP!r}")
+    if not config.pluginmanager.hasplugin("asyncio") or not hasattr(config.hook, "pytest_asyncio_loop_factories"):
+        raise pytest.UsageError("ASYNCSYNC_TEST_LOOP=uvloop needs pytest-asyncio >= 1.3 (its loop-factory hook)")
+    config.pluginmanager.register(_UvloopFactories(), "asyncsync-uvloop")
 
 
 @pytest.fixture(autouse=True)
@@ -71,14 +130,20 @@ class Cluster:
             b.close()
             self.groups.append(g)
 
+    async def wait_started(self) -> None:
+        for g in self.groups:
+            await g.wait_started()
+
     async def start(self) -> Cluster:
         self.spawn()
+        await self.wait_started()  # connect's timeout counts from here, not from the imports
         await self.scheme.connect()
         return self
 
     async def start_manual(self) -> Cluster:
         """For commit_mode="manual": connect() needs each worker to commit version 0."""
         self.spawn()
+        await self.wait_started()
         connect = asyncio.ensure_future(self.scheme.connect())
         for p in self.probes:
             assert (await p.ask("wait_version", 0)) == -1  # staged, not committed yet

@@ -320,20 +320,9 @@ class SyncMachine(RuleBasedStateMachine):
         if w is None or w.state != "running":
             return
         self.make_idle(idx)
-        rx = w.scheme.receiver
-        rx._released = True  # a dead process detaches nothing and says nothing
-        task = rx._task
-        assert task is not None
-        task.cancel()
-        self.loop.run_until_complete(asyncio.wait([task]))
-        rx._queue.close()
-        for seg in rx._segments.values():
-            seg.close()
-        with torch.no_grad():  # the process and its mappings are gone with it
-            for t in w.model.state_dict(keep_vars=True).values():
-                t.data = t.data.clone()
-        rx._slot_views.clear()
-        rx._roles = None
+        # What asyncsync.testing's faults.kill does to a loopback worker: its channel closes
+        # with no goodbye (the model keeps its weights, as a dead process's would be gone).
+        self.run(w.scheme.receiver._kill(), HANG)
         w.state = "dead"
         self.run(self.scheme.sender.wait_dead(idx, timeout=HANG), HANG)  # type: ignore[union-attr]
 

@@ -437,3 +437,18 @@ async def test_a_silent_relay_is_declared_lost() -> None:
     finally:
         writer.close()
         await trainer.aclose()
+
+
+async def test_loopback_hosts_in_manual_commit_mode_connect_with_version_0_committed() -> None:
+    model = make_model()
+    fill_(model, 4.0)
+    async with open_loopback_hosts(model, make_model, hosts={1: 2}, commit_mode="manual", timeout=20) as lh:
+        assert {wid: w.version for wid, w in lh.workers.items()} == {(1, 0): 0, (1, 1): 0}
+        assert all(bool((p == 4.0).all()) for m in lh.models.values() for p in m.parameters())
+        assert lh.trainer.sender.applied_versions() == {(1, 0): 0, (1, 1): 0}
+        fill_(model, 5.0)
+        sending = asyncio.ensure_future(lh.trainer.send())
+        for w in lh.workers.values():
+            await w.wait_for_version(1)
+            assert w.commit() == 1
+        assert await sending == 1

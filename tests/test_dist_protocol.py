@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from asyncsync import BrokenChannelError, ProtocolError
 from asyncsync._control import HANDSHAKE_LIMIT, ControlStream, auth_mac, welcome_mac
 from asyncsync._protocol import MAX_TARGETS, Auth, Beat, Challenge, Group, Lost, Message, Transfer, Welcome, decode, encode
+from tests._strategies import texts
 from tests.test_protocol import _decode_or_reject, _fix_length
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -65,7 +66,7 @@ messages = st.one_of(
         .filter(lambda xs: len(xs) >= 2)
         .map(lambda xs: tuple((a, b - a) for a, b in zip(xs[0::2], xs[1::2]))),
     ),
-    st.builds(Lost, U32, st.none() | st.integers(-(1 << 31), (1 << 31) - 1), st.text(max_size=40)),
+    st.builds(Lost, U32, st.none() | st.integers(-(1 << 31), (1 << 31) - 1), texts(max_size=40)),
 )
 
 

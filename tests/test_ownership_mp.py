@@ -4,10 +4,11 @@ every path). Each test names the path that used to break."""
 from __future__ import annotations
 
 import asyncio
-import os
+from pathlib import Path
 
 import pytest
 import torch
+from anyio import wait_all_tasks_blocked
 
 from asyncsync import (
     MultiProcessWeightSyncScheme,
@@ -18,7 +19,7 @@ from asyncsync import (
     spawn_workers,
 )
 from asyncsync._ownership import slot_bound
-from tests._targets import fill_, kind_from_env_worker, make_model, simple_worker
+from tests._targets import fill_, kind_from_file_worker, make_model, simple_worker
 from tests.conftest import Cluster
 
 
@@ -35,11 +36,14 @@ async def test_manual_commits_never_mix_versions_while_the_next_one_stages(commi
         for k in range(40):
             fill_(model, float(k + 1))  # small integers: exact in bfloat16
             await scheme.send_async()
+        await c.probes[0].ask("wait_version", scheme.version)  # the newest is staged (or committed)
+        while await c.probes[0].ask("version") < 1:  # only the watch commits: wait for one of its commits
+            pass
         report = await c.probes[0].ask("watch_stop")
-        assert report["mixed"] == 0 and report["silent"] == 0, report
-        # after the last commit the model holds exactly the newest version staged
-        await c.probes[0].ask("wait_version", scheme.version)
+        assert report["commits"] >= 1 and report["mixed"] == 0 and report["silent"] == 0, report
+        # after the last commit the model holds exactly the newest version
         _, committed, version = await c.probes[0].ask("commit")
+        assert version == scheme.version and committed in (None, version)
         _, sd = await c.state(0)
         assert all(bool((t == float(version)).all()) for t in sd.values()), version
     finally:
@@ -154,7 +158,7 @@ async def test_with_a_slot_cap_the_call_timeout_bounds_the_slot_wait_and_aclose_
         with pytest.raises(SyncTimeoutError, match="free shared-memory slot"):
             await scheme.send_async(timeout=0.2)  # the call's timeout, not the scheme's (None)
         waiting = asyncio.ensure_future(scheme.send_async(timeout=None))
-        await asyncio.sleep(0)
+        await wait_all_tasks_blocked()  # parked on the slot wait
         closing = asyncio.ensure_future(scheme.aclose())
         with pytest.raises(Exception, match="closed") as info:
             await waiting
@@ -166,28 +170,27 @@ async def test_with_a_slot_cap_the_call_timeout_bounds_the_slot_wait_and_aclose_
         await c.kill_close()
 
 
-async def test_a_replacement_that_rejects_fails_restart_and_old_acks_never_count() -> None:
+async def test_a_replacement_that_rejects_fails_restart_and_old_acks_never_count(tmp_path: Path) -> None:
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=30, on_worker_error="skip")
     scheme.init_on_sender(model=model, num_workers=2)
-    os.environ.pop("ASYNCSYNC_TEST_KIND", None)
-    async with spawn_workers(kind_from_env_worker, 2, args=(scheme,), scheme=scheme) as group:
+    kind = tmp_path / "kind"
+    kind.write_text("mlp")
+    async with spawn_workers(kind_from_file_worker, 2, args=(scheme, str(kind)), scheme=scheme) as group:
         async with scheme:
             fill_(model, 2.0)
             v = await scheme.send()
             group.kill(1)
             await scheme.sender.wait_dead(1, timeout=10)
             stats = scheme.statistics().worker(1)
-            assert stats.state == "dead" and stats.applied_version == -1  # the dead connection's acks are gone
-            os.environ["ASYNCSYNC_TEST_KIND"] = "wide"  # the replacement cannot take these weights
-            try:
-                with pytest.raises(WorkerError, match="worker 1 rejected") as info:
-                    await group.restart(1)
-            finally:
-                del os.environ["ASYNCSYNC_TEST_KIND"]
+            # The dead connection's last applied version stays visible, with its state...
+            assert (stats.state, stats.applied_version, stats.generation) == ("dead", v, 1)
+            kind.write_text("wide")  # the replacement cannot take these weights
+            with pytest.raises(WorkerError, match="worker 1 rejected") as info:
+                await group.restart(1)
             assert "sent shape (16, 4), model has (32, 4)" in str(info.value)
             stats = scheme.statistics().worker(1)
-            assert stats.generation == 2 and stats.applied_version == -1 and stats.state == "connected"
+            assert stats.generation == 2 and stats.applied_version == -1 and stats.state == "connected"  # ...never counted for the new one
             with pytest.raises(WorkerError):
                 await scheme.wait_async(version=v)  # not satisfied by the first process's ack
     assert group.results == {0: v, 1: -1}  # the replacement kept its own weights

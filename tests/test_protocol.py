@@ -40,6 +40,7 @@ from asyncsync._protocol import (
     decode,
     encode,
 )
+from tests._strategies import texts as utf8_text
 from tests._targets import fill_, make_model
 
 I64 = (-(1 << 63), (1 << 63) - 1)
@@ -244,7 +245,7 @@ def test_decode_takes_bytes_only() -> None:
 # ------------------------------------------------------------------------------ fuzzing
 
 _DTYPE_LIST = sorted((d for d in _DTYPES.values() if d is not torch.complex32), key=str)  # complex32 warns in torch
-keys = st.text(max_size=12)
+keys = utf8_text(max_size=12)
 shapes = st.lists(st.integers(0, 5), max_size=4).map(tuple)
 
 
@@ -262,7 +263,7 @@ def layouts(draw: st.DrawFn) -> Layout:
 u32 = st.integers(0, U32_MAX)
 i64 = st.integers(*I64)
 slots = st.none() | u32
-texts = st.text(max_size=40)
+texts = utf8_text(max_size=40)
 durations = st.floats(0.0, 1e9, allow_nan=False)
 messages = st.one_of(
     st.builds(Hello, u32, u32),
@@ -279,26 +280,29 @@ messages = st.one_of(
 
 
 def _decode_or_reject(data: bytes) -> Message | None:
-    """Decode *data*: a message or ProtocolError, nothing else, with bounded memory."""
-    tracemalloc.reset_peak()
-    before = tracemalloc.get_traced_memory()[0]
+    """Decode *data*: a message or ProtocolError, nothing else, with bounded memory.
+
+    Memory is traced during the decode only (tracing everything, hypothesis's generation
+    included, makes the fuzz tests several times slower), unless the caller traces already.
+    """
+    outer = tracemalloc.is_tracing()
+    if not outer:
+        tracemalloc.start()
     try:
-        msg = decode(data)
-    except ProtocolError:
-        msg = None
-    peak = tracemalloc.get_traced_memory()[1] - before
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        try:
+            msg = decode(data)
+        except ProtocolError:
+            msg = None
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if not outer:
+            tracemalloc.stop()
     assert peak < 256 * 1024 + 64 * len(data), f"decoding {len(data)} bytes took {peak} bytes of memory"
     if msg is not None:
         assert decode(encode(msg)) == msg  # what decodes is a message that re-encodes
     return msg
-
-
-@pytest.fixture(scope="module")
-def traced() -> Any:
-    """Memory tracing for :func:`_decode_or_reject` (module scope: hypothesis runs many examples)."""
-    tracemalloc.start()
-    yield
-    tracemalloc.stop()
 
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a hang hits the test timeout
@@ -306,7 +310,7 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 @FUZZ
 @given(messages)
-def test_fuzz_round_trip_and_every_prefix_is_rejected(traced: None, msg: Message) -> None:
+def test_fuzz_round_trip_and_every_prefix_is_rejected(msg: Message) -> None:
     frame = encode(msg)
     assert _decode_or_reject(frame) == msg
     for n in range(len(frame)):
@@ -319,7 +323,7 @@ def test_fuzz_round_trip_and_every_prefix_is_rejected(traced: None, msg: Message
 
 @FUZZ
 @given(messages, st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 255)), min_size=1, max_size=8))
-def test_fuzz_flipped_bytes(traced: None, msg: Message, flips: list[tuple[int, int]]) -> None:
+def test_fuzz_flipped_bytes(msg: Message, flips: list[tuple[int, int]]) -> None:
     frame = bytearray(encode(msg))
     for pos, mask in flips:
         frame[pos % len(frame)] ^= mask
@@ -328,7 +332,7 @@ def test_fuzz_flipped_bytes(traced: None, msg: Message, flips: list[tuple[int, i
 
 @FUZZ
 @given(messages, st.integers(0, 1 << 16), st.sampled_from([0xFFFFFFFF, 0xFFFFFFFE, 0x80000000, 1 << 20, MAX_STRING + 1, 0]) | u32)
-def test_fuzz_oversized_length_fields(traced: None, msg: Message, pos: int, value: int) -> None:
+def test_fuzz_oversized_length_fields(msg: Message, pos: int, value: int) -> None:
     frame = encode(msg)
     pos %= max(len(frame) - 3, 1)
     forged = _with_u32(frame, pos, value)
@@ -338,7 +342,7 @@ def test_fuzz_oversized_length_fields(traced: None, msg: Message, pos: int, valu
 
 @FUZZ
 @given(st.binary(max_size=256), st.integers(0, 255), st.integers(0, 255))
-def test_fuzz_random_bytes_and_headers(traced: None, body: bytes, version: int, kind: int) -> None:
+def test_fuzz_random_bytes_and_headers(body: bytes, version: int, kind: int) -> None:
     _decode_or_reject(body)
     _decode_or_reject(struct.pack("!2sBBI", b"AS", version, kind, len(body)) + body)
     _decode_or_reject(struct.pack("!2sBBI", b"AS", 1, kind, len(body)) + body)
@@ -357,7 +361,7 @@ def test_fuzz_wrong_magic(msg: Message, magic: bytes) -> None:
         decode(magic + encode(msg)[2:])
 
 
-def test_a_huge_claimed_layout_is_rejected_before_allocation(traced: None) -> None:
+def test_a_huge_claimed_layout_is_rejected_before_allocation() -> None:
     frame = _fix_length(_setup_frame([], 64)[:24] + struct.pack("!II", 1 << 20, 1 << 20))
     assert _decode_or_reject(frame) is None
     with pytest.raises(ProtocolError, match="cannot fit"):

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import pickle
 
 import pytest
+from anyio import wait_all_tasks_blocked
 
 from asyncsync import AsyncQueue, BrokenChannelError, ClosedError, WouldBlock
 
@@ -65,7 +66,7 @@ async def test_timed_out_get_loses_nothing(queues) -> None:  # type: ignore[no-u
 async def test_cancelled_get_loses_nothing(queues) -> None:  # type: ignore[no-untyped-def]
     w, r = queues
     task = asyncio.ensure_future(r.get())
-    await asyncio.sleep(0)  # the get is now parked on the descriptor
+    await wait_all_tasks_blocked()  # the get is now parked on the descriptor
     assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -79,7 +80,7 @@ async def test_cancelled_get_loses_nothing(queues) -> None:  # type: ignore[no-u
 async def test_get_wakes_when_message_arrives() -> None:
     w, r = pair("pipe")
     task = asyncio.ensure_future(r.get(timeout=5))
-    await asyncio.sleep(0)
+    await wait_all_tasks_blocked()  # parked: the message wakes it
     await w.put("hello")
     assert await task == "hello"
     w.close()
@@ -159,7 +160,7 @@ async def test_cancelled_or_timed_out_get_bytes_loses_nothing() -> None:
     with pytest.raises(TimeoutError):
         await r.get_bytes(timeout=0.05)
     task = asyncio.ensure_future(r.get_bytes())
-    await asyncio.sleep(0)  # parked on the descriptor
+    await wait_all_tasks_blocked()  # parked on the descriptor
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

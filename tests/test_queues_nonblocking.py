@@ -17,6 +17,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import pytest
+from anyio import wait_all_tasks_blocked
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,7 @@ from asyncsync import AsyncQueue, BrokenChannelError, ClosedError, WouldBlock
 from asyncsync._queues import _frame_header
 
 from ._queue_targets import blob, digest, echo, exchange, fd_reader, slow_reader
+from ._strategies import texts
 
 CTX = mp.get_context("spawn")
 MiB = 1 << 20
@@ -31,8 +33,9 @@ MiB = 1 << 20
 
 @contextlib.contextmanager
 def child(target: Callable[..., None], *args: Any) -> Iterator[BaseProcess]:
-    """Start *target* in a spawned process; close our copies of its Connections; never leave it running."""
-    proc = CTX.Process(target=target, args=args, daemon=True)
+    """Start *target* in a child process (the suite's start method: a forkserver's child has
+    asyncsync imported already); close our copies of its Connections; never leave it running."""
+    proc = mp.get_context(os.environ.get("ASYNCSYNC_START_METHOD", "spawn")).Process(target=target, args=args, daemon=True)
     proc.start()
     for arg in args:
         if isinstance(arg, Connection):
@@ -118,7 +121,7 @@ def test_long_length_header_is_read() -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(st.one_of(st.integers(), st.text(max_size=50), st.binary(max_size=3000)), min_size=1, max_size=8),
+    st.lists(st.one_of(st.integers(), texts(max_size=50), st.binary(max_size=3000)), min_size=1, max_size=8),
     st.lists(st.integers(min_value=1, max_value=700), min_size=1, max_size=40),
     st.sampled_from(["socket", "pipe"]),
 )
@@ -243,8 +246,7 @@ async def test_cancelled_put_during_backpressure_buffers_nothing() -> None:
     assert w.write_buffer_size > 0
     before = w.write_buffer_size
     task = asyncio.ensure_future(w.put(("cancelled", blob(2, MiB))))
-    for _ in range(10):
-        await asyncio.sleep(0)
+    await wait_all_tasks_blocked()
     assert not task.done()  # nobody reads: it waits for room
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -302,7 +304,7 @@ async def test_broken_pipe_while_buffered_wakes_a_waiting_put() -> None:
     w: AsyncQueue[Any] = AsyncQueue(a, max_buffer=0)
     w.put_nowait(blob(1, 4 * MiB))
     task = asyncio.ensure_future(w.put("waits"))
-    await asyncio.sleep(0)
+    await wait_all_tasks_blocked()
     assert not task.done()
     b.close()
     with pytest.raises(BrokenChannelError):
@@ -332,7 +334,7 @@ async def test_close_drops_unwritten_bytes_and_wakes_a_waiting_put() -> None:
     r: AsyncQueue[Any] = AsyncQueue(b)
     w.put_nowait(blob(1, 4 * MiB))
     task = asyncio.ensure_future(w.put("waits"))
-    await asyncio.sleep(0)
+    await wait_all_tasks_blocked()
     assert not task.done()
     w.close()
     w.close()  # idempotent
@@ -347,7 +349,7 @@ async def test_aclose_wakes_a_waiting_get_with_closed_error() -> None:
     a, b = CTX.Pipe()
     r: AsyncQueue[Any] = AsyncQueue(b)
     task = asyncio.ensure_future(r.get())
-    await asyncio.sleep(0)
+    await wait_all_tasks_blocked()
     assert not task.done()
     await r.aclose()
     with pytest.raises(ClosedError):
@@ -471,7 +473,7 @@ async def test_cancelled_puts_while_the_peer_does_not_read() -> None:
         assert q.write_buffer_size > q.max_buffer
         for i in (1, 2, 3):  # each waits for room that never comes, then is cancelled
             task = asyncio.ensure_future(q.put((i, blob(i, MiB))))
-            await asyncio.sleep(0)
+            await wait_all_tasks_blocked()
             assert not task.done()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -16,6 +16,7 @@ from torch import nn
 from asyncsync import (
     CapacityError,
     ClosedError,
+    DistributedWeightSyncScheme,
     MultiProcessWeightSyncScheme,
     SyncTimeoutError,
     WeightsError,
@@ -130,6 +131,12 @@ async def test_devices_that_cannot_be_used_fail_early_with_the_real_reason() -> 
     await asyncio.gather(scheme.connect(), worker.connect())
     await scheme.aclose()
     await worker.aclose()
+    # a rank that is its own worker checks the device before its relay takes anything
+    rank = DistributedWeightSyncScheme(rank=1, world_size=2, master_addr="127.0.0.1", master_port=1, token="t")
+    with pytest.raises(ValueError, match="init_on_receiver: device cuda:0 requested, but CUDA is not available"):
+        rank.init_on_receiver(model=make_model(), device="cuda:0")
+    with pytest.raises(RuntimeError, match="init_on_receiver"):
+        rank.worker  # nothing was set up
 
 
 async def test_waiting_for_a_version_not_sent_yet_is_an_error(asyncsync_loopback: Loopback) -> None:

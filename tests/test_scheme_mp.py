@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from anyio import wait_all_tasks_blocked
 from tensordict import TensorDict
 
 from asyncsync import WeightsError
@@ -134,7 +135,7 @@ async def test_no_mixed_versions_while_updates_land(cluster2: Cluster) -> None:
 async def test_cancelled_send_leaves_no_half_state(cluster2: Cluster) -> None:
     fill_(cluster2.model, 50.0)
     task = asyncio.ensure_future(cluster2.scheme.send())
-    await asyncio.sleep(0)  # let it publish; cancel while it waits for acks
+    await wait_all_tasks_blocked()  # published; cancel while it waits for acks
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -170,6 +170,42 @@ def test_the_example_user_tests_pass(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=4)
 
 
+def test_a_worker_functions_error_is_what_the_asyncsync_workers_test_reports(pytester: pytest.Pytester) -> None:
+    # A worker that never connects its receiver raises; the trainer's send fails because that
+    # worker died: the test's failure shows the worker's exception and its traceback.
+    pytester.makeini(INI)
+    pytester.makepyfile(
+        test_user="""
+        from torch import nn
+
+        from asyncsync import MultiProcessWeightSyncScheme
+
+
+        async def forgetful_worker(worker_idx, scheme):
+            scheme.init_on_receiver(worker_idx=worker_idx, model=nn.Linear(4, 2))
+            await scheme.wait_stopped()  # no `async with scheme`: the receiver never connected
+
+
+        async def test_training(asyncsync_workers):
+            scheme = MultiProcessWeightSyncScheme(timeout=30)
+            scheme.init_on_sender(model=nn.Linear(4, 2), num_workers=1)
+            async with asyncsync_workers(forgetful_worker, 1, args=(scheme,), scheme=scheme):
+                async with scheme:
+                    await scheme.send()
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*in forgetful_worker*",
+            "*await scheme.wait_stopped()*",
+            "RuntimeError: the receiver was not connected",
+            "E*WorkerProcessError: worker 0: RuntimeError: the receiver was not connected",
+        ]
+    )
+
+
 class Leftovers:
     """A plugin for the inner run: what its tests leak, for the outer test to clean up
     (this suite's own leak check would fail it otherwise)."""

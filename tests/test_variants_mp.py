@@ -11,7 +11,7 @@ from asyncsync import (
     WorkerProcessError,
     spawn_workers,
 )
-from tests._targets import failing_worker, fill_, make_model, returning_worker, simple_worker
+from tests._targets import failing_worker, fill_, make_model, returning_worker, simple_worker, unconnected_worker
 from tests.conftest import Cluster, assert_same
 
 
@@ -77,6 +77,44 @@ async def test_spawn_workers_raises_worker_exception() -> None:
             await group.join(timeout=60)
     assert isinstance(info.value.__cause__, ValueError)
     assert "ValueError" in info.value.remote_traceback
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_a_workers_own_error_reaches_the_trainer_when_the_block_fails(start_method: str) -> None:
+    # Worker 1 raises; the trainer's send fails first (worker 1 died): the error raised is
+    # the worker's, with its type, message and traceback, not only "worker 1 died".
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=make_model(), num_workers=2)
+    with pytest.raises(WorkerProcessError, match="^worker 1: RuntimeError: the receiver was not connected") as info:
+        async with spawn_workers(unconnected_worker, 2, args=(scheme,), scheme=scheme, start_method=start_method) as group:
+            assert group.ctx.get_start_method() == start_method
+            async with scheme:
+                await scheme.send()
+    err = info.value
+    assert err.worker_idx == 1
+    assert isinstance(err.__cause__, RuntimeError) and str(err.__cause__) == "the receiver was not connected"
+    # the traceback is the worker's: its function's frame, none of asyncsync's process plumbing
+    assert "in unconnected_worker" in err.remote_traceback and "await scheme.wait_stopped()" in err.remote_traceback
+    assert "_workers.py" not in err.remote_traceback
+    assert err.remote_traceback in str(err.__cause__.__cause__)  # shown in the printed chain
+
+
+async def test_a_worker_that_dies_before_it_starts_is_reported_at_once() -> None:
+    # its function cannot be unpickled in the child: the process exits before running it
+    with pytest.raises(WorkerProcessError, match=r"^worker 0: the process exited with code \S+ before it started"):
+        async with spawn_workers(returning_worker, 1, args=(_Unloadable(),)):
+            pass
+
+
+class _Unloadable:
+    """Pickles in the trainer, fails to unpickle in a worker."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_refuse, ())
+
+
+def _refuse() -> None:
+    raise RuntimeError("cannot be unpickled here")
 
 
 async def test_stop_ends_every_receiver_and_workers_return_their_version() -> None:

@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
         "--transports",
         type=_csv,
         default=None,
-        help="comma-separated: shm,queue,torchrl-mp,torchrl-shared,dist-gloo (default: all available but dist-gloo; "
+        help="comma-separated: shm,queue,shm-uvloop,torchrl-mp,torchrl-shared,dist-gloo (default: all available but "
+        "dist-gloo; shm-uvloop: shm with the trainer and its workers on uvloop; "
         "dist-gloo: the multi-host scheme on loopback, --hosts relays with --workers workers each, against a raw "
         "gloo broadcast of the same bytes)",
     )
@@ -123,14 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("--hosts must be >= 1", file=sys.stderr)
             return 2
     if transports is not None:
-        known = ("shm", "queue", "torchrl-mp", "torchrl-shared")
+        known = ("shm", "queue", "shm-uvloop", "torchrl-mp", "torchrl-shared")
         bad = [t for t in transports if t not in known]
         if bad:
             print(f"unknown transport(s) {bad}; expected some of {list(known)}", file=sys.stderr)
             return 2
         missing = [t for t in transports if t not in available_transports()]
         if missing:
-            print(f"{missing} need torchrl, which cannot be imported here", file=sys.stderr)
+            print(f"{missing} need torchrl or uvloop, which cannot be imported here", file=sys.stderr)
             return 2
     machine = machine_info()
     print(

@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 ASYNCSYNC_TRANSPORTS: tuple[str, ...] = ("shm", "queue")
+#: "shm" with the trainer and its workers on uvloop (when uvloop is installed).
+UVLOOP_TRANSPORTS: tuple[str, ...] = ("shm-uvloop",)
 TORCHRL_TRANSPORTS: tuple[str, ...] = ("torchrl-mp", "torchrl-shared")
 WARMUP_SENDS = 2
 MEMORY_SENDS = 20
@@ -58,10 +60,28 @@ Progress = Callable[[str], None]
 
 
 def available_transports() -> list[str]:
-    """asyncsync's transports, plus torchrl's schemes when torchrl can be imported."""
+    """asyncsync's transports (on uvloop too, when installed), plus torchrl's schemes when torchrl can be imported."""
     from asyncsync.bench._torchrl import available
 
-    return [*ASYNCSYNC_TRANSPORTS, *(TORCHRL_TRANSPORTS if available() else ())]
+    return [*ASYNCSYNC_TRANSPORTS, *(UVLOOP_TRANSPORTS if _has_uvloop() else ()), *(TORCHRL_TRANSPORTS if available() else ())]
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run_loop(transport: str, coro: Any) -> Any:
+    """``asyncio.run(coro)``, on uvloop for a ``*-uvloop`` transport (its workers follow)."""
+    if transport in UVLOOP_TRANSPORTS:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
 
 
 # --------------------------------------------------------------------------
@@ -270,8 +290,10 @@ async def run_asyncsync(
     """
     from asyncsync import MultiProcessWeightSyncScheme, flatten_parameters, spawn_workers
 
+    if transport in UVLOOP_TRANSPORTS:
+        transport = transport.removesuffix("-uvloop")
     if transport not in ASYNCSYNC_TRANSPORTS:
-        raise ValueError(f"unknown asyncsync transport {transport!r}; expected one of {ASYNCSYNC_TRANSPORTS}")
+        raise ValueError(f"unknown asyncsync transport {transport!r}; expected one of {ASYNCSYNC_TRANSPORTS + UVLOOP_TRANSPORTS}")
     model = make_model(n_params, n_tensors, seed=0)
     if flat:
         flatten_parameters(model)
@@ -443,8 +465,10 @@ def run_rows(
     """
     say = progress or (lambda _line: None)
     for t in transports:
-        if t not in (*ASYNCSYNC_TRANSPORTS, *TORCHRL_TRANSPORTS):
-            raise ValueError(f"unknown transport {t!r}; expected one of {(*ASYNCSYNC_TRANSPORTS, *TORCHRL_TRANSPORTS)}")
+        if t not in (*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS, *TORCHRL_TRANSPORTS):
+            raise ValueError(f"unknown transport {t!r}; expected one of {(*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS, *TORCHRL_TRANSPORTS)}")
+        if t in UVLOOP_TRANSPORTS and not _has_uvloop():
+            raise ValueError(f"transport {t!r} needs uvloop (pip install uvloop)")
     if any(t in TORCHRL_TRANSPORTS for t in transports):
         from asyncsync.bench._torchrl import available
 
@@ -585,7 +609,7 @@ def _latency_row(
         res = run_torchrl(transport, n_params, n_tensors, workers, repeats)
         torch.set_num_threads(1)
     else:
-        res = asyncio.run(run_asyncsync(transport, n_params, n_tensors, workers, repeats, flat=flat))
+        res = _run_loop(transport, run_asyncsync(transport, n_params, n_tensors, workers, repeats, flat=flat))
         row["sender_copy_ms"] = res["last_copy_ms"]
         row["worker_commit_ms"] = max(res["worker_commit_ms"])
     row.update(summarize(res["latencies_ms"]))
@@ -636,7 +660,7 @@ def _add_torchrl_ratios(rows: list[dict[str, Any]]) -> None:
     """vs_torchrl_* = torchrl's median / ours, same params and workers, same run."""
     medians = {(r["transport"], r["params"], r["workers"]): r["median_ms"] for r in rows if r["kind"] == "latency"}
     for r in rows:
-        if r["kind"] != "latency" or r["transport"] not in ASYNCSYNC_TRANSPORTS:
+        if r["kind"] != "latency" or r["transport"] not in (*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS):
             continue
         for kind, key in (("torchrl-mp", "vs_torchrl_mp"), ("torchrl-shared", "vs_torchrl_shared")):
             theirs = medians.get((kind, r["params"], r["workers"]))

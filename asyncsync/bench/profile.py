@@ -31,7 +31,7 @@ import torch
 __all__ = ["profile_sends"]
 
 _OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("sender", ("asyncsync/_sender.py", "asyncsync/_ownership.py", "asyncsync/_slots.py", "asyncsync/_strategy.py", "asyncsync/_signal.py")),
+    ("sender", ("asyncsync/_sender.py", "asyncsync/_core/", "asyncsync/_ownership.py", "asyncsync/_slots.py", "asyncsync/_strategy.py", "asyncsync/_signal.py")),
     ("receiver", ("asyncsync/_receiver.py",)),
     ("channel", ("asyncsync/_queues.py", "asyncsync/_protocol.py", "sendmsg", "recvmsg_into")),
     ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),

@@ -1,0 +1,300 @@
+"""Per-worker delivery state, acks per connection, waits, and the statistics rows.
+
+Both senders keep one :class:`WorkerRecord` per worker id (an int locally, ``(host,
+local index)`` across hosts) and report into an :class:`AckTracker`: what was sent, each
+answer, a loss (died, left, host lost), a new connection. Waits only look at that state
+and wake on the sender's :class:`~.._signal.Signal`, so a cancelled wait never loses an
+ack, and every rule about what satisfies a wait lives here once:
+
+- only a ``connected`` worker's answers count, and only those of its current connection;
+- a worker that is gone (``dead``, ``left``) fails a wait (``on_worker_error="raise"``)
+  or is skipped (``"skip"``, not with a quorum); one ``stopped`` by ``aclose`` fails it;
+- a rejection of the wanted version fails it with :class:`WorkerError`;
+- with a quorum, a failure only ends the wait once the quorum can no longer be met.
+
+A departed connection's last applied version, error and timings stay visible (in
+``applied_versions()`` and the statistics, with the worker's state) until a new
+connection of that worker id starts; they never satisfy a wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+from .._errors import ClosedError, SyncTimeoutError, WorkerDiedError, WorkerError
+from .._options import DEFAULT, UseDefault
+from .._signal import Signal
+from .._stats import WorkerStatistics
+
+__all__ = ["AckTracker", "WorkerRecord"]
+
+W = TypeVar("W", bound=Hashable)
+R = TypeVar("R", bound="WorkerRecord")
+
+GONE = ("dead", "left")
+
+
+class WorkerRecord:
+    """What the sender knows of one worker id, across its connections.
+
+    A transport subclasses it to hang its own per-worker state on it (its link, its
+    buffers); only :class:`AckTracker` writes these fields.
+    """
+
+    def __init__(self, wid: Any) -> None:
+        self.wid = wid
+        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.generation = 1  # the connection whose answers these are (numbered by the transport)
+        self.sent = -1  # newest version sent to this worker id
+        # The current (or last departed) connection's answers:
+        self.applied = -1
+        self.responded = -1
+        self.rejected = -1  # newest version it rejected
+        self.last_error: str | None = None
+        self.stage_s = 0.0
+        self.commit_s = 0.0
+        self.death: WorkerDiedError | None = None
+        self.death_generation = 0  # the generation that death ended
+        self.exitcode: int | None = None
+        self.pid: int | None = None
+
+    def _new_connection(self) -> None:
+        self.applied = self.responded = self.rejected = -1
+        self.last_error = None
+        self.stage_s = self.commit_s = 0.0
+        self.death = None
+        self.exitcode = None
+
+
+class AckTracker(Generic[W, R]):
+    """The delivery state of a sender's workers; see the module docstring.
+
+    *phase* is the sender's lifecycle (``"new"``, ``"running"``, ``"closing"``,
+    ``"closed"``); *changed* is notified at every change here and wakes every wait.
+    """
+
+    def __init__(
+        self,
+        records: Mapping[W, R],
+        *,
+        changed: Signal,
+        phase: Callable[[], str],
+        never_connected: Callable[[Sequence[W]], Mapping[W, int | None]] | None = None,
+    ) -> None:
+        self.records: dict[W, R] = dict(records)
+        self._changed = changed
+        self._phase = phase
+        # Which of the given workers never said hello (a timeout names them with the likely fix).
+        self._never_connected = never_connected or (lambda wids: {})
+
+    def __getitem__(self, wid: W) -> R:
+        return self.records[wid]
+
+    # ----------------------------------------------------------------- reports
+
+    def sent(self, wid: W, version: int) -> None:
+        """*version* is now *wid*'s newest (it goes out when nothing else is in flight)."""
+        self.records[wid].sent = version
+
+    def expect(self, wid: W, generation: int) -> None:
+        """A new connection (*generation*) for *wid* is on its way: nothing answered before counts."""
+        rec = self.records[wid]
+        rec._new_connection()
+        rec.state = "waiting"
+        rec.generation = generation
+        self._changed.notify()
+
+    def connected(self, wid: W, pid: int | None = None, generation: int | None = None) -> None:
+        """*wid*'s connection (*generation*, if the transport numbers them) is up; a worker
+        that was gone is on a new connection."""
+        rec = self.records[wid]
+        if rec.state in ("waiting", *GONE):
+            if rec.state in GONE:
+                rec._new_connection()
+            rec.state = "connected"
+        if generation is not None:
+            rec.generation = generation
+        if pid is not None:
+            rec.pid = pid
+        self._changed.notify()
+
+    def ack(self, wid: W, version: int, ok: bool, error: str | None, stage_s: float, commit_s: float) -> None:
+        """*wid*'s current connection applied (*ok*) or rejected *version*."""
+        rec = self.records[wid]
+        rec.responded = max(rec.responded, version)
+        if ok:
+            rec.applied = max(rec.applied, version)
+            rec.last_error = None
+            rec.stage_s, rec.commit_s = stage_s, commit_s
+        else:
+            rec.rejected = max(rec.rejected, version)
+            rec.last_error = error
+        self._changed.notify()
+
+    def lost(self, wid: W, state: str, death: WorkerDiedError, exitcode: int | None = None) -> None:
+        """*wid*'s connection ended: ``"dead"`` or ``"left"``, with the error that says so.
+        Its last answers stay visible; they no longer count."""
+        rec = self.records[wid]
+        rec.state = state
+        rec.death = death
+        rec.death_generation = rec.generation
+        if exitcode is not None:
+            rec.exitcode = exitcode
+        self._changed.notify()
+
+    def stopped(self, wid: W) -> None:
+        """The sender closed while *wid* was connected."""
+        rec = self.records[wid]
+        if rec.state == "connected":
+            rec.state = "stopped"
+        self._changed.notify()
+
+    # ----------------------------------------------------------------- queries
+
+    def applied_versions(self) -> dict[W, int]:
+        """Each worker's newest applied version (a departed one's last; -1: none)."""
+        return {wid: rec.applied for wid, rec in self.records.items()}
+
+    def refuse_gone(self, targets: Iterable[W]) -> None:
+        """Raise the death of the first of *targets* that is gone (``on_worker_error="raise"``)."""
+        for wid in targets:
+            rec = self.records[wid]
+            if rec.state in GONE and rec.death is not None:
+                raise rec.death
+
+    def settled(self, wanted: Mapping[W, int], need: int, quorum: bool, skip_gone: bool) -> bool:
+        """True once *need* workers applied their wanted version; raise if that cannot happen.
+        With *skip_gone* (``on_worker_error="skip"``), a worker that is gone counts as done,
+        except for a *quorum*."""
+        done = open_ = 0
+        failure: BaseException | None = None
+        for wid, v in wanted.items():
+            rec = self.records[wid]
+            if rec.state == "connected" and rec.applied >= v:
+                done += 1
+            elif rec.state == "connected" and rec.responded >= v:
+                failure = failure or WorkerError(wid, rec.rejected, rec.last_error or "rejected")  # type: ignore[arg-type]
+            elif rec.state in GONE:
+                if skip_gone and not quorum:
+                    done += 1  # skipped: the living workers are what counts
+                else:
+                    assert rec.death is not None
+                    failure = failure or rec.death
+            elif rec.state == "stopped":
+                failure = failure or ClosedError(f"worker {wid} stopped before applying version {v}")
+            else:
+                open_ += 1
+        if done >= need:
+            return True
+        if failure is not None and (not quorum or done + open_ < need):
+            raise failure
+        return False
+
+    async def wait(
+        self,
+        targets: Sequence[W],
+        version: int | None,
+        *,
+        newest: int,
+        quorum: int | None,
+        skip_gone: bool,
+        timeout: float | None,
+        what: str | None = None,
+        reported_timeout: float | None | UseDefault = DEFAULT,
+    ) -> None:
+        """Wait until *targets* applied *version* (None: each its newest); see ``wait_async``.
+
+        A timeout error names *reported_timeout* (default: *timeout*): the whole call's
+        bound, when this wait is its last part.
+
+        *newest* is the sender's newest version; *skip_gone* as for :meth:`settled`. Only targets that were sent *version*
+        (or a newer one) are waited for.
+        """
+        if self._phase() == "closed":
+            raise ClosedError("the sender is closed")
+        if version is not None and version > newest:
+            raise ValueError(f"version {version} was not sent yet (the newest is {newest})")
+        sent = {wid: self.records[wid].sent for wid in targets}
+        wanted = {wid: (sent[wid] if version is None else version) for wid in targets}
+        wanted = {wid: v for wid, v in wanted.items() if v >= 0 and sent[wid] >= v}
+        need = len(wanted) if quorum is None else quorum
+        if need > len(wanted):
+            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
+
+        def settled() -> bool:
+            if self.settled(wanted, need, quorum is not None, skip_gone):
+                return True
+            if self._phase() == "closed":
+                raise ClosedError("the sender was closed while waiting")
+            return False
+
+        if not await self._changed.wait_until(settled, timeout):
+            pending = {wid: self.records[wid].applied for wid, v in wanted.items() if not self._counts(wid, v)}
+            what = what or ("wait_async" if version is None else f"wait for version {version}")
+            reported = timeout if isinstance(reported_timeout, UseDefault) else reported_timeout
+            raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(list(pending)))  # type: ignore[arg-type]
+
+    def _counts(self, wid: W, version: int) -> bool:
+        rec = self.records[wid]
+        return rec.state == "connected" and rec.applied >= version
+
+    async def wait_joined(self, wids: Sequence[W], timeout: float | None, what: str) -> None:
+        """Wait until each of *wids* is connected and answered the newest version sent to it.
+
+        A worker that is gone is waited for on its next connection; raises its death if
+        that one goes too, and :class:`WorkerError` if it rejected that version.
+        """
+        awaited = {wid: self._awaited_generation(self.records[wid]) for wid in wids}
+
+        def joined() -> bool:
+            if self._phase() != "running":
+                raise ClosedError("the sender is closed")
+            for wid in wids:
+                rec = self.records[wid]
+                if rec.state in GONE and rec.death is not None and rec.death_generation >= awaited[wid]:
+                    raise rec.death  # the connection we wait for is already gone
+            return all(self.records[wid].state == "connected" and self.records[wid].responded >= self.records[wid].sent for wid in wids)
+
+        if not await self._changed.wait_until(joined, timeout):
+            pending = {wid: self.records[wid].applied for wid in wids}
+            raise SyncTimeoutError(what, pending, timeout, never_connected=self._never_connected(list(wids)))  # type: ignore[arg-type]
+        for wid in wids:
+            rec = self.records[wid]
+            if rec.applied < rec.sent:
+                raise WorkerError(wid, rec.rejected, rec.last_error or "rejected")  # type: ignore[arg-type]
+
+    @staticmethod
+    def _awaited_generation(rec: WorkerRecord) -> int:
+        # A worker that is gone is waited for on the connection after the one that ended.
+        return max(rec.generation, rec.death_generation + 1) if rec.state in GONE else rec.generation
+
+    async def wait_gone(self, wids: Sequence[W], timeout: float | None, what: str) -> None:
+        """Wait until each of *wids* is known to be gone (dead, left or stopped)."""
+        gone = (*GONE, "stopped")
+        if not await self._changed.wait_until(lambda: all(self.records[w].state in gone for w in wids) or self._phase() != "running", timeout):
+            raise SyncTimeoutError(what, {wid: self.records[wid].applied for wid in wids}, timeout)  # type: ignore[misc]
+
+    def rows(self, newest: int, extra: Callable[[R], Mapping[str, Any]]) -> tuple[WorkerStatistics, ...]:
+        """The statistics row of every worker; *extra(record)* gives the transport's fields
+        (``generation``, ``in_flight_version``, ``pid``) where it knows better."""
+        out = []
+        for wid, rec in self.records.items():
+            fields: dict[str, Any] = dict(
+                worker_idx=wid,
+                state=rec.state,
+                pid=rec.pid,
+                exitcode=rec.exitcode,
+                sent_version=rec.sent,
+                applied_version=rec.applied,
+                lag=max(newest - rec.applied, 0) if rec.sent >= 0 else 0,
+                last_error=rec.last_error,
+                stage_ms=rec.stage_s * 1e3,
+                commit_ms=rec.commit_s * 1e3,
+                generation=rec.generation,
+                in_flight_version=None,
+                reason=rec.death.reason if rec.death is not None else None,
+            )
+            fields.update(extra(rec))
+            out.append(WorkerStatistics(**fields))
+        return tuple(out)

@@ -1,0 +1,641 @@
+"""asyncsync inside torchrl: a ``WeightSyncScheme`` that torchrl's collectors accept.
+
+``AsyncSyncScheme`` is a :class:`torchrl.weight_update.WeightSyncScheme` whose bytes move
+through asyncsync (one copy per send into shared memory, versioned acks, latest wins, a
+dead worker named at once). torchrl's own synchronous calls stay as they are; asyncsync
+runs on an event loop of its own, in a thread of each process (trainer and workers), so
+it never touches the caller's loop. This module needs torchrl; ``import asyncsync`` does
+not import it.
+
+Example (a script: the collector spawns its workers)::
+
+    from tensordict.nn import TensorDictModule
+    from torch import nn
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.envs import GymEnv
+
+    from asyncsync.torchrl import AsyncSyncScheme
+
+    def make_env():
+        return GymEnv("CartPole-v1")
+
+    if __name__ == "__main__":
+        policy = TensorDictModule(nn.Linear(4, 2), in_keys=["observation"], out_keys=["action"])
+        scheme = AsyncSyncScheme(timeout=30)
+        collector = MultiSyncCollector([make_env, make_env], policy, frames_per_batch=200,
+                                       total_frames=2_000, weight_sync_schemes={"policy": scheme})
+        for batch in collector:
+            ...                                  # a training step on `batch` changes `policy`
+            collector.update_policy_weights_()   # every worker runs the new version
+        print(scheme.version, scheme.statistics().workers)
+        collector.shutdown()
+        scheme.shutdown()
+
+On a worker, a version is committed only where no forward pass of the policy runs: each
+call of the policy module holds a gate that commits wait for, so a forward never sees two
+versions mixed (:meth:`AsyncSyncScheme.hold` keeps one version over a longer stretch, e.g.
+a whole rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+
+try:
+    from torchrl.weight_update import WeightSyncScheme
+except ImportError as exc:  # pragma: no cover - exercised where torchrl is absent
+    raise ImportError("asyncsync.torchrl needs torchrl (pip install torchrl); the rest of asyncsync does not") from exc
+
+from ._errors import SyncTimeoutError
+from ._scheme import MultiProcessWeightSyncScheme
+from ._stats import ReceiverStatistics, SenderStatistics
+
+__all__ = ["AsyncSyncScheme"]
+
+logger = logging.getLogger("asyncsync")
+
+T = TypeVar("T")
+_DEFAULT: Any = ...
+#: How long shutdown() waits for asyncsync to close before it gives up (it never raises).
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
+    """A torchrl weight-sync scheme backed by asyncsync's :class:`MultiProcessWeightSyncScheme`.
+
+    Pass it to a collector as ``weight_sync_schemes={"policy": AsyncSyncScheme()}``
+    (``MultiSyncCollector``, ``MultiAsyncCollector``, ``Collector(num_collectors=N)``);
+    ``collector.update_policy_weights_()`` then calls :meth:`send`.
+
+    Args:
+        strategy: ``"tensordict"`` or ``"state_dict"`` (torchrl's names).
+        sync: if True, :meth:`send` returns once every targeted worker runs the new
+            version; if False, once the snapshot is taken (a slow worker then gets
+            only the newest version: latest wins).
+        timeout: default bound, in seconds, of every wait (``None``: no bound).
+        on_worker_error: ``"raise"`` (a dead worker fails the sends that target it,
+            :class:`~asyncsync.WorkerDiedError` naming it) or ``"skip"``.
+        transfer_dtype: send floating-point tensors in this dtype (e.g. ``torch.bfloat16``).
+        check_finite: reject weights holding NaN or inf before sending.
+        loop_factory: makes the event loop of asyncsync's thread in each process
+            (e.g. ``uvloop.new_event_loop``; it must pickle). Default: asyncio's.
+
+    Example::
+
+        scheme = AsyncSyncScheme(sync=True, timeout=30)
+        collector = MultiSyncCollector(env_makers, policy, frames_per_batch=200, total_frames=-1,
+                                       weight_sync_schemes={"policy": scheme})
+        for batch in collector:
+            train(batch)
+            collector.update_policy_weights_()   # -> scheme.send(): version 1, 2, ...
+        print(scheme.statistics().workers)       # each worker's applied version, lag, errors
+    """
+
+    def __init__(
+        self,
+        strategy: Literal["tensordict", "state_dict"] = "tensordict",
+        sync: bool = True,
+        timeout: float | None = 60.0,
+        *,
+        on_worker_error: Literal["raise", "skip"] = "raise",
+        transfer_dtype: torch.dtype | None = None,
+        check_finite: bool = False,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+    ) -> None:
+        super().__init__(strategy=strategy)
+        # Manual commits: the worker's receiver stages off the caller's threads, and the
+        # commit waits for the gate (no forward pass running).
+        self._inner = MultiProcessWeightSyncScheme(
+            strategy=strategy,
+            sync=sync,
+            timeout=timeout,
+            commit_mode="manual",
+            on_worker_error=on_worker_error,
+            transfer_dtype=transfer_dtype,
+            check_finite=check_finite,
+        )
+        self.sync = sync
+        self.timeout = timeout
+        self.loop_factory = loop_factory
+        self._worker_devices: dict[int, str] = {}
+        self._runtime_init()
+
+    def _runtime_init(self) -> None:
+        """State that lives in one process only (never pickled)."""
+        self._loop: _LoopThread | None = None
+        self._connecting: asyncio.Task[int] | None = None
+        self._gate: _Gate | None = None
+        self._hooks: list[Any] = []
+        self._hooked: nn.Module | None = None
+        self._bound: nn.Module | None = None
+        self._mirror: nn.Module | None = None
+        self._committer: asyncio.Task[None] | None = None
+        self._commit_lock: asyncio.Lock | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for key in ("_loop", "_connecting", "_gate", "_hooks", "_hooked", "_bound", "_mirror", "_committer", "_commit_lock", "_closed"):
+            state.pop(key, None)
+        return state  # type: ignore[no-any-return]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._runtime_init()
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        """Not used: asyncsync moves the bytes itself."""
+        raise NotImplementedError("AsyncSyncScheme has no torchrl transport: asyncsync moves the weights")
+
+    # ------------------------------------------------------------------ trainer side
+
+    def _init_on_sender_impl(
+        self,
+        model_id: str | None = None,
+        context: Any = None,
+        *,
+        ctx: Any = None,
+        weights: Any = None,
+        model: nn.Module | None = None,
+        params_map: dict[int, Any] | None = None,
+        devices: Any = None,
+        device_map_fn: Callable[[int, Any], Any] | None = None,
+        num_workers: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(f"AsyncSyncScheme.init_on_sender got unexpected arguments {sorted(kwargs)}")
+        self.model_id = model_id
+        self.context = context
+        if model is not None:
+            self.model = model
+        if num_workers is None and params_map is None and devices is None and context is not None:
+            num_workers = getattr(context, "num_workers", None)
+        if devices is None and params_map is None and device_map_fn is None and context is not None:
+            found = _policy_devices(context, num_workers)
+            if found is not None:
+                devices = found
+        if devices is not None:
+            listed = devices.items() if isinstance(devices, dict) else enumerate(devices)
+            self._worker_devices = {int(i): str(torch.device(d)) for i, d in listed}
+        self._inner.init_on_sender(
+            model_id=model_id,
+            context=context,
+            weights=weights,
+            model=model,
+            params_map=params_map,
+            devices=devices,
+            device_map_fn=device_map_fn,
+            num_workers=num_workers,
+            ctx=ctx,
+        )
+
+    def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
+        """Publish version 0 and return at once: the workers wait for it while they start."""
+        if weights is not None:
+            raise TypeError("AsyncSyncScheme.connect() sends the configured weights; call send(weights) after it")
+        loop = self._start_loop("asyncsync-torchrl-trainer")
+        processes = list(getattr(self.context, "procs", None) or [])
+
+        async def start() -> asyncio.Task[int]:
+            for idx, proc in zip(self._inner.sender.worker_ids, processes):
+                self._inner.watch_process(idx, proc)  # a death is seen at once, not at the next read
+            # Unbounded here: the workers start (import torch, build envs) before they answer, and
+            # each send bounds its own wait for this; a worker that dies meanwhile is named at once.
+            task = asyncio.get_running_loop().create_task(self._inner.connect(timeout=None), name="asyncsync-torchrl-connect")
+            task.add_done_callback(_retrieve)
+            return task
+
+        self._connecting = loop.run(start(), None)
+
+    async def _connected(self, timeout: float | None) -> None:
+        assert self._connecting is not None
+        if not self._connecting.done():
+            done, _ = await asyncio.wait([self._connecting], timeout=timeout)
+            if not done:
+                raise SyncTimeoutError("the workers' initial weights", {}, timeout)
+        self._connecting.result()  # the connect error (a dead or rejecting worker), at every call
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None, *, timeout: float | None = _DEFAULT) -> int:
+        """Push weights (None: ``context.<model_id>``) to the workers; return the version.
+
+        Synchronous, from any thread (never the scheme's own). With ``sync=True`` it
+        returns once every targeted worker runs this version; with ``sync=False`` once
+        the snapshot is taken. Raises :class:`~asyncsync.WorkerDiedError` naming a dead
+        worker, :class:`~asyncsync.WorkerError` for a rejected payload (that worker keeps
+        its weights), :class:`~asyncsync.SyncTimeoutError` past *timeout*.
+        """
+        return self._trainer_loop().run(self._send(weights, worker_ids, timeout), self._outer_bound(timeout))
+
+    async def asend(self, weights: Any = None, worker_ids: int | list[int] | None = None, *, timeout: float | None = _DEFAULT) -> int:
+        """:meth:`send` for an asyncio trainer: awaits the scheme's thread, never blocks the caller's loop.
+
+        Example::
+
+            version = await scheme.asend()   # inside `async def train()`
+        """
+        return await asyncio.wrap_future(self._trainer_loop().submit(self._send(weights, worker_ids, timeout)))
+
+    async def _send(self, weights: Any, worker_ids: Any, timeout: float | None) -> int:
+        await self._connected(self.timeout if timeout is _DEFAULT else timeout)
+        return await self._inner.send(weights, worker_ids, timeout=timeout)
+
+    def wait_async(self, version: int | None = None, worker_ids: int | Iterable[int] | None = None, *, quorum: int | None = None, timeout: float | None = _DEFAULT) -> None:
+        """Trainer: block until the targeted workers run *version* (default: the newest sent)."""
+
+        async def wait() -> None:
+            await self._connected(self.timeout if timeout is _DEFAULT else timeout)
+            await self._inner.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
+
+        self._trainer_loop().run(wait(), self._outer_bound(timeout))
+
+    def _trainer_loop(self) -> _LoopThread:
+        if not self.initialized_on_sender:
+            raise RuntimeError("Must be initialized on sender before sending weights")
+        if self._loop is None or self._connecting is None:
+            raise RuntimeError("Must be synchronized on sender before sending weights (call connect())")
+        return self._loop
+
+    def _outer_bound(self, timeout: float | None) -> float | None:
+        limit = self.timeout if timeout is _DEFAULT else timeout
+        return None if limit is None else 2 * limit + 5.0  # asyncsync's own timeout fires first
+
+    # ------------------------------------------------------------------ both sides
+
+    @property
+    def version(self) -> int:
+        """Trainer: newest version sent. Worker: the version its policy runs (-1 before connect)."""
+        if self._loop is None:
+            return -1
+        return self._loop.run(_value(lambda: self._inner.version), self.timeout)
+
+    def statistics(self) -> SenderStatistics | ReceiverStatistics:
+        """Trainer: per-worker applied versions, lag and errors. Worker: its version and timings."""
+        if self._loop is None:
+            raise RuntimeError("call connect() first")
+        return self._loop.run(_value(self._inner.statistics), self.timeout)
+
+    def shutdown(self) -> None:
+        """Close this side (idempotent; starts nothing; safe from ``__del__``).
+
+        Trainer: stop every worker's receiver and release the shared memory. Worker: end
+        this worker's receiver only; its policy keeps the version it runs.
+        """
+        loop = getattr(self, "_loop", None)
+        if loop is None or getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            if loop.alive and threading.get_ident() != loop.ident:
+                loop.run(self._aclose(), _SHUTDOWN_TIMEOUT_S)
+        except Exception as exc:  # shutdown never raises (it runs from __del__ too)
+            logger.warning("asyncsync: closing %s: %r", type(self).__name__, exc)
+        finally:
+            self._unhook()
+            loop.close()
+            self._loop = None
+
+    async def _aclose(self) -> None:
+        if self._committer is not None:
+            self._committer.cancel()
+            await asyncio.wait([self._committer])
+        if self._gate is not None and self._commit_lock is not None:
+            # The receiver copies its weights out of shared memory as it closes: not mid-forward.
+            async with self._commit_lock, self._gate.exclusive():
+                await self._inner.aclose()
+                self._sync_mirror()
+        else:
+            await self._inner.aclose()
+
+    def _start_loop(self, name: str) -> _LoopThread:
+        if self._loop is not None:
+            raise RuntimeError("this scheme is already connected")
+        self._closed = False
+        self._loop = _LoopThread(name, self.loop_factory)
+        return self._loop
+
+    # ------------------------------------------------------------------ worker side
+
+    def _init_on_receiver_impl(self, model_id: str, context: Any = None, **kwargs: Any) -> None:
+        model = kwargs.pop("model", None)
+        worker_idx = kwargs.pop("worker_idx", None)
+        if kwargs:
+            raise TypeError(f"AsyncSyncScheme.init_on_receiver got unexpected arguments {sorted(kwargs)}")
+        self.model_id = model_id
+        self.context = context
+        self._worker_idx = worker_idx
+        if model is not None:
+            self.model = model
+
+    def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
+        """Wait (bounded by ``timeout``) until this worker's policy runs version 0."""
+        idx = self._worker_idx if worker_idx is None else worker_idx
+        if idx is None:
+            raise ValueError("AsyncSyncScheme: the worker index is unknown; pass worker_idx to init_on_receiver or connect")
+        self._worker_idx = idx
+        model = self.model
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"worker {idx}: the policy to update must be an nn.Module, got {type(model).__name__}")
+        _materialize(model, torch.device(self._worker_devices.get(idx, "cpu")))
+        loop = self._start_loop(f"asyncsync-torchrl-worker-{idx}")
+        self._gate = _Gate()
+        try:
+            loop.run(self._receiver_connect(idx, model), self._outer_bound(_DEFAULT))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._bound = model
+        self._hook(model)
+
+    async def _receiver_connect(self, idx: int, model: nn.Module) -> None:
+        self._commit_lock = asyncio.Lock()
+        self._inner.init_on_receiver(worker_idx=idx, model=model)
+        await self._inner.connect()
+        if self._inner.commit() is None:  # nothing staged: version 0 was refused
+            error = self._inner.receiver.last_error or "no initial weights"
+            raise ValueError(f"worker {idx}: cannot use the trainer's weights: {error}")
+        self._committer = asyncio.get_running_loop().create_task(self._commit_forever(), name=f"asyncsync-torchrl-commit-{idx}")
+
+    async def _commit_forever(self) -> None:
+        """Commit every staged version as soon as no forward pass runs."""
+        while True:
+            try:
+                await self._inner.wait_for_version(self._inner.version + 1, timeout=None)
+            except Exception as exc:  # the receiver ended (the trainer stopped it, or died)
+                logger.info("asyncsync: worker %s stops committing: %s", self._worker_idx, exc)
+                return
+            await self._commit_pending()
+
+    async def _commit_pending(self) -> int | None:
+        assert self._gate is not None and self._commit_lock is not None
+        async with self._commit_lock:
+            if not self._inner.update_pending:
+                return None
+            async with self._gate.exclusive():
+                version = self._inner.commit()
+                self._sync_mirror()
+                bump = getattr(self.context, "increment_version", None)
+                if version is not None and callable(bump):
+                    bump()  # torchrl's PolicyVersion tracking, as its own receive() cascade does
+            return version
+
+    def receive(self, timeout: float | None = None) -> Any:
+        """Commit the newest staged version now, if one waits; return its weights, else None.
+
+        Commits also happen by themselves (between forward passes); this is for a loop
+        that wants the newest weights at a point of its choosing. Called from inside a
+        forward pass (or :meth:`hold`) it commits nothing and returns None.
+        """
+        if not self.initialized_on_receiver:
+            raise RuntimeError("Must be initialized on receiver before receiving weights")
+        if self._loop is None or self._gate is None:
+            raise RuntimeError("Must be synchronized on receiver before receiving weights")
+        if self._gate.held_here():
+            return None
+        version = self._loop.run(self._commit_pending(), timeout if timeout else self.timeout)
+        if version is None:
+            return None
+        from tensordict import TensorDict
+
+        return TensorDict.from_module(self._bound) if self._bound is not None else None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Worker: keep the policy's version fixed inside this block (commits wait for its end).
+
+        Example::
+
+            with scheme.hold():          # one version for the whole rollout
+                rollout = env.rollout(200, policy)
+        """
+        if self._gate is None:
+            raise RuntimeError("hold() is for a connected worker")
+        self._gate.enter()
+        try:
+            yield
+        finally:
+            self._gate.exit()
+
+    @property  # type: ignore[override]
+    def model(self) -> Any:
+        return WeightSyncScheme.model.fget(self)
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        WeightSyncScheme.model.fset(self, model)
+        if getattr(self, "_bound", None) is not None and model is not None and model is not self._hooked:
+            self._retarget(model)
+
+    def _retarget(self, model: nn.Module) -> None:
+        """The collector points the scheme at the module it really calls (torchrl's runner does)."""
+        bound = self._bound
+        assert bound is not None and self._loop is not None
+        ours = {id(t) for t in _tensors(bound).values()}
+        theirs = _tensors(model)
+        if not ours <= {id(t) for t in theirs.values()}:
+            mine = _tensors(bound)
+            if set(theirs) != set(mine) or any(theirs[k].shape != mine[k].shape for k in mine):
+                raise ValueError(
+                    f"worker {self._worker_idx}: the new policy's tensors {sorted(theirs)[:8]} do not match "
+                    f"the weights this scheme receives {sorted(mine)[:8]}"
+                )
+            self._mirror = model  # a copy of the policy (another device): each commit is copied into it
+
+            async def sync_now() -> None:
+                assert self._gate is not None and self._commit_lock is not None
+                async with self._commit_lock, self._gate.exclusive():
+                    self._sync_mirror()
+
+            self._loop.run(sync_now(), self.timeout)
+        self._unhook()
+        self._hook(model)
+
+    def _sync_mirror(self) -> None:
+        if self._mirror is None or self._bound is None:
+            return
+        src = _tensors(self._bound)
+        with torch.no_grad():
+            for key, t in _tensors(self._mirror).items():
+                t.copy_(src[key])
+
+    def _hook(self, model: nn.Module) -> None:
+        gate = self._gate
+        assert gate is not None
+        self._hooks = [
+            model.register_forward_pre_hook(lambda _m, _a: gate.enter()),
+            model.register_forward_hook(lambda _m, _a, _o: gate.exit(), always_call=True),
+        ]
+        self._hooked = model
+
+    def _unhook(self) -> None:
+        for handle in getattr(self, "_hooks", ()):
+            handle.remove()
+        self._hooks = []
+        self._hooked = None
+
+
+# ---------------------------------------------------------------------- the gate
+
+
+class _Gate:
+    """Forward passes (any threads) against commits (the scheme's loop thread).
+
+    A forward ``enter()``s and ``exit()``s; a commit runs inside ``exclusive()``, which
+    stops new forwards from starting, waits (without blocking its loop) until the running
+    ones end, and lets them go again on exit. A thread already inside may re-enter.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._want = False
+        self._wake: Callable[[], None] | None = None
+        self._local = threading.local()
+
+    def held_here(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    def enter(self) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            with self._cond:
+                while self._want:
+                    self._cond.wait(1.0)
+                self._busy += 1
+        self._local.depth = depth + 1
+
+    def exit(self) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            return  # a pre-hook before ours raised: ours never entered
+        self._local.depth = depth - 1
+        if depth == 1:
+            with self._cond:
+                self._busy -= 1
+                if self._busy == 0 and self._wake is not None:
+                    self._wake()
+                    self._wake = None
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        idle: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(lambda: idle.done() or idle.set_result(None))
+
+        with self._cond:
+            self._want = True
+            if self._busy:
+                self._wake = wake
+            else:
+                idle.set_result(None)
+        try:
+            await idle
+            yield
+        finally:
+            with self._cond:
+                self._want = False
+                self._wake = None
+                self._cond.notify_all()
+
+
+# ---------------------------------------------------------------------- the loop thread
+
+
+class _LoopThread:
+    """An event loop running in a daemon thread of its own; coroutines are submitted to it."""
+
+    def __init__(self, name: str, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None) -> None:
+        self.loop = loop_factory() if loop_factory is not None else asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self.ident = self._thread.ident
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            try:
+                pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    self.loop.run_until_complete(asyncio.wait(pending, timeout=_SHUTDOWN_TIMEOUT_S))
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if threading.get_ident() == self.ident:
+            coro.close()
+            raise RuntimeError("AsyncSyncScheme's blocking calls cannot run on its own loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        future = self.submit(coro)
+        try:
+            done, _ = concurrent.futures.wait([future], timeout)
+        except BaseException:
+            future.cancel()  # e.g. KeyboardInterrupt in the caller: do not leave it running
+            raise
+        if not done:
+            future.cancel()
+            raise SyncTimeoutError("an AsyncSyncScheme call", {}, timeout)
+        return future.result()
+
+    def close(self) -> None:
+        if self.alive:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if threading.get_ident() != self.ident:
+                self._thread.join(_SHUTDOWN_TIMEOUT_S)
+
+
+async def _value(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # seen by the next send(); not "never retrieved"
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give storage to tensors on the meta device (torchrl ships a stateless policy)."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:  # a new Parameter: meta cannot become real in place
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
+
+
+def _policy_devices(context: Any, num_workers: int | None) -> list[str] | None:
+    """The collector's per-worker policy devices, when it names them all."""
+    devices = getattr(context, "policy_device", None)
+    if not isinstance(devices, (list, tuple)) or not devices or any(d is None for d in devices):
+        return None
+    if num_workers is not None and len(devices) != num_workers:
+        return None
+    return [str(torch.device(d)) for d in devices]

@@ -1,0 +1,207 @@
+"""The multi-host control plane's promises, in one process (trainer, relays and loopback
+workers in this loop, on 127.0.0.1): a relay's ``connect`` is bounded by its own
+timeout, never blocks the loop and can be retried; trainer and relay agree on whether a
+host is there, also after a long blocked loop; a displaced relay is told why."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from asyncsync import (
+    BrokenChannelError,
+    ClosedError,
+    DistributedWeightSyncScheme,
+    HostLostError,
+    SenderDiedError,
+    SyncTimeoutError,
+    loopback_worker,
+)
+from tests._dist_cluster import free_port
+from tests._targets import fill_, make_model
+
+
+def _common(port: int, **kw: Any) -> dict[str, Any]:
+    return {"timeout": 30, "token": "t0ken", "world_size": 2, "master_addr": "127.0.0.1", "master_port": port, "heartbeat": 0.2, **kw}
+
+
+def _relay(common: dict[str, Any]) -> tuple[DistributedWeightSyncScheme, Any, Any]:
+    relay = DistributedWeightSyncScheme(rank=1, **common)
+    relay.init_on_relay(model=make_model(), num_workers=1)
+    worker = loopback_worker(relay.local, 0)
+    model = make_model()
+    worker.init_on_receiver(worker_idx=0, model=model)
+    return relay, worker, model
+
+
+class Ticker:
+    """Counts turns of the event loop, to show that it was not blocked."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.001)
+
+    async def reach(self, n: int) -> None:
+        target = self.ticks + n
+        while self.ticks < target:
+            await asyncio.sleep(0.001)
+
+    async def aclose(self) -> None:
+        self.task.cancel()
+        await asyncio.wait({self.task})
+
+
+def _store_waits() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "asyncsync-blocking-call")
+
+
+async def test_relay_connect_is_bounded_off_the_loop_cancel_safe_and_can_be_retried() -> None:
+    """The trainer's store is up but the trainer is not connected yet: the relay's wait for
+    its address runs off the loop, ends at connect's own timeout with a SyncTimeoutError
+    that says what it waited for, can be cancelled without waiting for the store, and a
+    later connect() succeeds; after aclose() connect() raises ClosedError."""
+    common = _common(free_port())
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    model = make_model()
+    trainer.init_on_sender(model=model, hosts={1: 1})  # hosts the store; not listening yet
+    relay, worker, local = _relay(common)
+    ticker = Ticker()
+    try:
+        with pytest.raises(SyncTimeoutError, match="host 1 waiting for the trainer to publish its control address in the rendezvous store"):
+            await relay.connect(timeout=0.3)
+
+        pending = asyncio.ensure_future(relay.connect(timeout=None))  # bounded by the store's 30 s only
+        await ticker.reach(20)  # the loop turns while connect waits
+        assert not pending.done()
+        waits = _store_waits()
+        assert waits >= 1
+        pending.cancel()
+        await asyncio.wait({pending})
+        assert pending.cancelled()
+        assert _store_waits() >= 1  # its store wait was left to end on its own, not joined on the loop
+
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(relay.connect(), 0.3)
+
+        fill_(model, 2.0)
+        await asyncio.gather(trainer.connect(), relay.connect(timeout=20), worker.connect())  # the retry joins
+        assert worker.version == 0 and all(bool((p == 2.0).all()) for p in local.parameters())
+        assert await trainer.send() == 1 and worker.version == 1
+        await relay.aclose()
+        with pytest.raises(ClosedError, match="host 1: the relay is closed"):
+            await relay.connect()
+    finally:
+        await ticker.aclose()
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_relay_connect_to_a_store_that_never_answers_ends_at_its_timeout() -> None:
+    """MASTER_ADDR:port reaches a listener that accepts and never answers: init_on_relay
+    returns at once and connect() raises SyncTimeoutError at its own timeout."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        common = _common(silent.getsockname()[1], timeout=3)
+        relay, worker, _ = _relay(common)
+        ticker = Ticker()
+        try:
+            pending = asyncio.ensure_future(relay.connect(timeout=1.0))
+            await ticker.reach(20)
+            assert not pending.done()
+            with pytest.raises(SyncTimeoutError, match=r"host 1 connecting to the rendezvous store at 127\.0\.0\.1:\d+"):
+                await pending
+        finally:
+            await ticker.aclose()
+            await relay.aclose()
+            await worker.aclose()
+
+
+async def test_a_blocked_loop_longer_than_the_silence_timeout_loses_nobody() -> None:
+    """Heartbeats come from each control connection's thread: a synchronous step that
+    blocks the loop (trainer's and relay's: they share it here) for longer than
+    silence_timeout leaves every host connected, and the next send is applied."""
+    common = _common(free_port(), silence_timeout=0.6)
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    model = make_model()
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    relay, worker, local = _relay(common)
+    try:
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        for _ in range(2):
+            time.sleep(1.5)  # a long synchronous training step, on the loop
+            await asyncio.sleep(0)
+        fill_(model, 3.0)
+        assert await trainer.send(timeout=20) == 1
+        assert worker.version == 1 and all(bool((p == 3.0).all()) for p in local.parameters())
+        host = trainer.statistics().host(1)
+        assert host.state == "connected" and host.connections == 1
+        assert relay.relay._error is None
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_a_relay_that_gives_up_on_a_silent_trainer_ends_the_connection_and_the_trainer_loses_it() -> None:
+    """The trainer beats every 10 s, the relay hears nothing for its 0.5 s: it gives up
+    (its worker keeps its weights) and closes the connection, so the trainer declares the
+    host lost and a send raises HostLostError at once, not a timeout."""
+    port = free_port()
+    trainer = DistributedWeightSyncScheme(rank=0, **_common(port, heartbeat=10.0, silence_timeout=None))
+    model = make_model()
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    relay, worker, _ = _relay(_common(port, silence_timeout=0.5))
+    try:
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        with pytest.raises(SenderDiedError, match="host 1: the trainer is gone .*sent nothing for 0.5 s"):
+            await relay.wait_stopped()
+        await trainer.sender.wait_lost(1, timeout=20)
+        with pytest.raises(HostLostError, match="host 1 .* is lost") as info:
+            await trainer.send(timeout=20)
+        assert info.value.host == 1
+        with pytest.raises(SenderDiedError):
+            await worker.wait_stopped()
+        assert worker.version == 0
+    finally:
+        await trainer.aclose()
+        await relay.aclose()
+        await worker.aclose()
+
+
+async def test_a_relay_replaced_by_another_for_its_host_is_told_so() -> None:
+    """A second relay for host 1 connects: the trainer serves it, and the first one's
+    wait_stopped says it was replaced (not that the trainer died); its worker is stopped."""
+    common = _common(free_port())
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    model = make_model()
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    first, first_worker, _ = _relay(common)
+    second, second_worker, second_model = _relay(common)
+    try:
+        await asyncio.gather(trainer.connect(), first.connect(), first_worker.connect())
+        await asyncio.gather(second.connect(), second_worker.connect())
+        with pytest.raises(BrokenChannelError, match=r"host 1: replaced by another relay for host 1 \(pid \d+ at 127\.0\.0\.1:\d+\)") as info:
+            await first.wait_stopped()
+        assert not isinstance(info.value, SenderDiedError)
+        await first_worker.wait_stopped()  # stopped, keeping its weights
+        assert first_worker.version == 0
+        fill_(model, 6.0)
+        assert await trainer.send() == 1
+        assert second_worker.version == 1 and all(bool((p == 6.0).all()) for p in second_model.parameters())
+        assert trainer.statistics().host(1).connections == 2
+    finally:
+        await trainer.aclose()
+        for s in (first, second, first_worker, second_worker):
+            await s.aclose()

@@ -1,0 +1,140 @@
+"""asyncsync.torchrl.AsyncSyncScheme driven as torchrl's collectors drive a scheme, without a collector.
+
+The trainer calls ``init_on_sender``, starts spawned processes with the scheme pickled in,
+``connect()``s, then ``send()``s; each worker (``tests._torchrl_targets.held_worker``) calls
+``init_on_receiver`` and ``connect(worker_idx=)`` on its main thread, as torchrl's runner does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchrl")
+
+from asyncsync import SyncTimeoutError, WorkerLeftError  # noqa: E402
+from asyncsync.torchrl import AsyncSyncScheme  # noqa: E402
+from tests._torchrl_targets import VersionNet, held_worker, set_version  # noqa: E402
+
+CTX = mp.get_context("spawn")
+REPLY_S = 120.0  # a spawned worker imports torch and torchrl first: slow on a loaded machine
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Worker:
+    def __init__(self, scheme: AsyncSyncScheme, idx: int) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=held_worker, args=(scheme, child, idx), name=f"torchrl-held-{idx}")
+        self.proc.start()
+        child.close()
+
+    def ask(self, cmd: str) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(REPLY_S):
+            raise AssertionError(f"no answer to {cmd!r}")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.ask("exit")
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            self.conn.close()
+
+
+def start(n: int, **options: Any) -> tuple[AsyncSyncScheme, torch.nn.Module, list[Worker]]:
+    policy = VersionNet(n=4)
+    scheme = AsyncSyncScheme(timeout=REPLY_S, **options)
+    scheme.init_on_sender(model_id="policy", model=policy, num_workers=n, ctx=CTX)
+    workers = [Worker(scheme, i) for i in range(n)]
+    scheme.connect()  # returns before the workers have applied version 0
+    for w in workers:
+        assert w.conn.poll(REPLY_S) and w.conn.recv() == "connected"
+    return scheme, policy, workers
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Any]]:
+    things: list[Any] = []
+    yield things
+    for thing in reversed(things):
+        if isinstance(thing, Worker):
+            thing.stop()
+        else:
+            thing.shutdown()
+
+
+def test_import_asyncsync_does_not_import_torchrl() -> None:
+    code = "import sys, asyncsync; assert 'torchrl' not in sys.modules, 'torchrl imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_pickled_scheme_is_small_and_holds_no_tensor() -> None:
+    scheme = AsyncSyncScheme()
+    state = scheme.__getstate__()
+    data = pickle.dumps(state)
+    assert len(data) < 4096
+    assert b"torch._utils" not in data and b"_rebuild_tensor" not in data
+
+
+def test_slow_worker_gets_only_the_newest_version_and_the_trainer_never_waits(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1, sync=False)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("hold") == "held"  # as a long forward pass would: no commit until it ends
+    for v in range(1, 6):
+        set_version(policy, v)
+        assert scheme.send() == v  # sync=False: returns once the snapshot is taken
+    assert w.ask("state")[0] == 0  # still version 0: nothing committed inside the hold
+    assert w.ask("release") == "released"
+    scheme.wait_async(5)
+    version, updates, skipped, lo, hi = w.ask("state")
+    assert (version, lo, hi) == (5, 5.0, 5.0)
+    assert updates <= 3 and skipped >= 3  # version 0, at most one staged version, then 5: latest wins
+    stats = scheme.statistics()
+    assert [(s.worker_idx, s.applied_version, s.lag) for s in stats.workers] == [(0, 5, 0)]
+
+
+def test_send_timeout_names_the_worker_that_holds_and_receive_inside_a_hold_commits_nothing(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("hold") == "held"
+    set_version(policy, 1)
+    with pytest.raises(SyncTimeoutError) as info:
+        scheme.send(timeout=0.5)
+    assert info.value.pending == {0: 0}
+    assert w.ask("receive_held") == (None, True)  # inside a forward (or hold): never commits
+    assert w.ask("release") == "released"
+    scheme.wait_async(1)  # the version that timed out lands once the hold ends
+    assert w.ask("state")[:1] == (1,)
+    set_version(policy, 2)
+    assert scheme.send() == 2
+
+
+def test_repointed_model_gets_every_later_version_and_worker_shutdown_affects_only_itself(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(2)
+    cleanup += [scheme, *workers]
+    assert workers[1].ask("repoint") == "repointed"  # the runner re-points at the policy it really calls
+    set_version(policy, 1)
+    assert scheme.send() == 1
+    assert workers[1].ask("state")[3:] == (1.0, 1.0)
+    tag, values = workers[0].ask("shutdown")
+    assert (tag, values) == ("closed", [1.0] * 4)  # keeps the version it runs
+    set_version(policy, 2)
+    with pytest.raises(WorkerLeftError, match="worker 0"):
+        scheme.send()
+    assert scheme.send(worker_ids=[1]) == 2  # the refused send took no version
+    assert workers[1].ask("state")[3:] == (2.0, 2.0)
