@@ -30,6 +30,7 @@ from ._errors import (
     WorkerProcessError,
     WouldBlock,
 )
+from ._core._flat import flatten_parameters
 from ._io._queues import AsyncQueue
 from ._local._loopback import loopback_worker
 from ._local._receiver import Receiver
@@ -69,6 +70,7 @@ __all__ = [
     "WorkerProcessError",
     "WorkerStatistics",
     "WouldBlock",
+    "flatten_parameters",
     "loopback_worker",
     "spawn_workers",
 ]

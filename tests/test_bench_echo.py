@@ -73,7 +73,7 @@ def test_bench_row_has_echo_and_cpu() -> None:
     assert row["cpu_ms_per_send"] > row["trainer_cpu_ms_per_send"]
     json.dumps(row)  # what --json writes
     table = markdown(rows)
-    assert "| x echo | CPU ms/send |" in table
+    assert "| x echo | x socket | x spin | CPU ms/send |" in table
     assert f"({row['trainer_cpu_ms_per_send']:.3f})" in table
 
 
@@ -107,7 +107,7 @@ def test_markdown_without_measurements() -> None:
         "trainer_cpu_ms_per_send": 1.25,
     }
     line = markdown([row]).splitlines()[2]
-    assert "| 600x | - | - (1.250) |" in line
+    assert "| 600x | - | - | - | - (1.250) |" in line
 
 
 def test_profile_splits_a_send_by_owner() -> None:

@@ -24,8 +24,8 @@ PUBLIC_API = [
     "DistributedStatistics", "DistributedWeightSyncScheme", "HostLostError", "HostStatistics", "Layout",
     "MultiProcessWeightSyncScheme", "ProtocolError", "Receiver", "ReceiverStatistics", "Sender", "SenderDiedError",
     "SenderStatistics", "SyncTimeoutError", "TensorSpec", "WeightsError", "WorkerDiedError", "WorkerError",
-    "WorkerGroup", "WorkerLeftError", "WorkerProcessError", "WorkerStatistics", "WouldBlock", "loopback_worker",
-    "spawn_workers",
+    "WorkerGroup", "WorkerLeftError", "WorkerProcessError", "WorkerStatistics", "WouldBlock", "flatten_parameters",
+    "loopback_worker", "spawn_workers",
 ]  # fmt: skip
 
 

@@ -42,6 +42,7 @@ from .._errors import (
     WorkerLeftError,
     WouldBlock,
 )
+from .._core._flat import SpanCopier
 from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
 from .._io._staging import copy_tensors
@@ -148,6 +149,7 @@ class Sender(SenderCore[int, "_Worker"]):
             self._workers, source_layout=source_layout, wire_layout=wire_layout, sync=sync, timeout=timeout, on_worker_error=on_worker_error, check_finite=check_finite
         )
         self._bytes = 0
+        self._spans = SpanCopier(wire_layout)  # one copy per span of a flattened source
         # Called with each worker's answers and losses (a relay forwards them to its trainer).
         self.on_ack: Callable[[int, Ack], None] | None = None
         self.on_lost: Callable[[int, WorkerDiedError], None] | None = None
@@ -553,6 +555,9 @@ class Sender(SenderCore[int, "_Worker"]):
         dst = list(map(self._pool.views(slot).__getitem__, keys))
         if base is None:
             src = list(map(flat.__getitem__, keys))
+            fused = self._spans.pairs(self._pool.views_buffer(slot), src)
+            if fused is not None:
+                dst, src = fused
         else:
             base_views = self._pool.views(self._pool.get(base))
             src = [flat[k] if k in flat else base_views[k] for k in keys]

@@ -41,6 +41,8 @@ def run_benchmark(
     loop_lag: bool = False,
     memory: bool | None = None,
     echo: bool = True,
+    floors: bool = True,
+    flat: bool = False,
     progress: bool | Callable[[str], None] = False,
 ) -> list[dict[str, Any]]:
     """Run the benchmark and return its rows.
@@ -58,6 +60,12 @@ def run_benchmark(
         echo: before each latency row, time a bare round trip of one small message to
             the row's workers (fresh processes, same channel): ``echo_ms``,
             ``echo_ratio``. False: both None.
+        floors: before each latency row, also time a raw blocking socketpair round trip
+            and a spin on a shared-memory version word to the row's workers (fresh
+            processes, no event loop): ``socket_rtt_ms``, ``spin_rtt_ms`` and their
+            ``*_ratio``. False: all None.
+        flat: also measure every asyncsync row with the trainer's model flattened
+            (:func:`asyncsync.flatten_parameters`); those rows have ``flat: True``.
         progress: True prints one line per row to stderr; or a callable taking the line.
     """
     from asyncsync.bench._run import _print, run_rows
@@ -78,4 +86,4 @@ def run_benchmark(
     if not chosen:
         raise ValueError("no transport to measure")
     say: Callable[[str], None] | None = _print if progress is True else (progress or None)
-    return run_rows(chosen, list(params), list(workers), repeats, loop_lag=loop_lag, memory=memory, echo=echo, progress=say)
+    return run_rows(chosen, list(params), list(workers), repeats, loop_lag=loop_lag, memory=memory, echo=echo, floors=floors, flat=flat, progress=say)

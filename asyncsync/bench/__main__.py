@@ -93,6 +93,18 @@ def parser() -> argparse.ArgumentParser:
         help="before each row, time a bare round trip of a small message to its workers, for the 'x echo' column "
         "(default: on; --no-echo skips it)",
     )
+    p.add_argument(
+        "--floors",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before each row, time a raw blocking socketpair round trip and a spin on a shared-memory version word "
+        "to its workers, for the 'x socket' and 'x spin' columns (default: on)",
+    )
+    p.add_argument(
+        "--flat",
+        action="store_true",
+        help="also measure every asyncsync row with the trainer's model flattened (asyncsync.flatten_parameters)",
+    )
     return p
 
 
@@ -156,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop_lag=args.loop_lag,
         memory=args.memory,
         echo=args.echo,
+        floors=args.floors,
+        flat=args.flat,
         progress=True,
     )
     sys.stdout.write(markdown(rows))

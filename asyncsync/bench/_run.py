@@ -31,6 +31,7 @@ from torch import nn
 
 from asyncsync.bench import _cpu
 from asyncsync.bench._echo import measure_echo
+from asyncsync.bench._floors import measure_floors
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = [
@@ -273,8 +274,11 @@ async def run_asyncsync(
     probe: bool = False,
     tick: bool = False,
     warmup: int = WARMUP_SENDS,
+    flat: bool = False,
 ) -> dict[str, Any]:
     """Time *repeats* synchronous sends of fresh weights to *workers* fresh processes.
+
+    *flat*: the trainer's model goes through :func:`asyncsync.flatten_parameters` first.
 
     Returns ``latencies_ms``, per-send ``t0``/``t1`` (perf_counter seconds) and
     ``versions``, the sender's peak RSS and memory before/after the timed sends,
@@ -284,13 +288,15 @@ async def run_asyncsync(
     ``workers``: each worker's report (see :func:`bench_worker`). The workers' final
     weights are checked against the trainer's.
     """
-    from asyncsync import MultiProcessWeightSyncScheme, spawn_workers
+    from asyncsync import MultiProcessWeightSyncScheme, flatten_parameters, spawn_workers
 
     if transport in UVLOOP_TRANSPORTS:
         transport = transport.removesuffix("-uvloop")
     if transport not in ASYNCSYNC_TRANSPORTS:
         raise ValueError(f"unknown asyncsync transport {transport!r}; expected one of {ASYNCSYNC_TRANSPORTS + UVLOOP_TRANSPORTS}")
     model = make_model(n_params, n_tensors, seed=0)
+    if flat:
+        flatten_parameters(model)
     scheme = MultiProcessWeightSyncScheme(
         strategy="tensordict",
         sync=True,
@@ -444,12 +450,18 @@ def run_rows(
     loop_lag: bool = False,
     memory: bool | None = None,
     echo: bool = True,
+    floors: bool = True,
+    flat: bool = False,
     progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Run every (params x workers x transport) row, then the memory and loop-lag rows.
 
     *echo*: measure the echo floor (:func:`asyncsync.bench._echo.measure_echo`) with the
     row's worker count right before each latency row, after its one-copy floor.
+    *floors*: also the raw socket round trip and the shared-memory spin
+    (:func:`asyncsync.bench._floors.measure_floors`), same worker count.
+    *flat*: asyncsync rows are measured twice, the second time (``flat: True``) with
+    the trainer's model flattened (:func:`asyncsync.flatten_parameters`).
     """
     say = progress or (lambda _line: None)
     for t in transports:
@@ -473,7 +485,10 @@ def run_rows(
             n_params, n_tensors = specs[spec]
             nbytes = n_params * 4
             for nw in workers:
-                for transport in transports:
+                variants = [(t, False) for t in transports]
+                if flat:
+                    variants += [(t, True) for t in transports if t in ASYNCSYNC_TRANSPORTS]
+                for transport, flat_row in variants:
                     t_start = time.perf_counter()
                     neighbours = _Neighbours()
                     # The floor right before each row: the same conditions (a busy
@@ -481,20 +496,30 @@ def run_rows(
                     floor = measure_floor(n_params, n_tensors, repeats)
                     # The echo floor too: fresh processes, the row's worker count.
                     echo_ms = measure_echo(nw, repeats)["echo_ms"] if echo else None
-                    row = _latency_row(transport, spec, n_params, n_tensors, nw, repeats)
+                    machine = measure_floors(nw, repeats) if floors else {}
+                    row = _latency_row(transport, spec, n_params, n_tensors, nw, repeats, flat=flat_row)
                     row["floor_ms"] = floor["floor_ms"]
                     row["floor_ratio"] = row["median_ms"] / floor["floor_ms"]
                     row["echo_ms"] = echo_ms
                     row["echo_ratio"] = row["median_ms"] / echo_ms if echo_ms else None
+                    for name in ("socket_rtt", "spin_rtt"):
+                        value = machine.get(f"{name}_ms")
+                        row[f"{name}_ms"] = value
+                        row[f"{name}_ratio"] = row["median_ms"] / value if value else None
                     row["gbps"] = nbytes / (row["median_ms"] / 1e3) / 1e9
                     rows.append(neighbours.stamp(row))
                     say(
-                        f"{transport:>14} {spec:>8} x{nw}: median {row['median_ms']:9.3f} ms  p90 {row['p90_ms']:9.3f} ms  "
-                        f"{row['floor_ratio']:7.2f}x floor {row['floor_ms']:.4f} ms  {_x(row['echo_ratio'])} echo {_ms(echo_ms)}  "
-                        f"CPU/send {_ms(row['cpu_ms_per_send'])}  ({time.perf_counter() - t_start:.1f}s, "
+                        f"{transport + (' flat' if flat_row else ''):>14} {spec:>8} x{nw}: median {row['median_ms']:9.3f} ms  "
+                        f"p90 {row['p90_ms']:9.3f} ms  {row['floor_ratio']:7.2f}x floor {row['floor_ms']:.4f} ms  "
+                        f"{_x(row['echo_ratio'])} echo {_ms(echo_ms)}  {_x(row['socket_rtt_ratio'])} socket "
+                        f"{_ms(row['socket_rtt_ms'])}  {_x(row['spin_rtt_ratio'])} spin {_ms(row['spin_rtt_ms'])}  "
+                        f"CPU/send {_ms(row['cpu_ms_per_send'])} trainer {_ms(row['trainer_cpu_ms_per_send'])} "
+                        f"({_ms(row['trainer_cpu_ms_per_worker'])}/worker)  ({time.perf_counter() - t_start:.1f}s, "
                         f"others {row.get('other_cpu_pct', '?')}% CPU)"
                     )
         _add_torchrl_ratios(rows)
+        for line in _add_cpu_growth(rows):
+            say(line)
         ours = [t for t in transports if t in ASYNCSYNC_TRANSPORTS]
         big = _largest(params)
         n_params, n_tensors = specs[big]
@@ -565,7 +590,9 @@ def _collect() -> None:
     gc.collect()
 
 
-def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, workers: int, repeats: int) -> dict[str, Any]:
+def _latency_row(
+    transport: str, spec: str, n_params: int, n_tensors: int, workers: int, repeats: int, *, flat: bool = False
+) -> dict[str, Any]:
     _collect()
     row: dict[str, Any] = {
         "kind": "latency",
@@ -574,6 +601,7 @@ def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, worke
         "n_params": n_params,
         "n_tensors": n_tensors,
         "workers": workers,
+        "flat": flat,
     }
     if transport in TORCHRL_TRANSPORTS:
         from asyncsync.bench._torchrl import run_torchrl
@@ -581,7 +609,7 @@ def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, worke
         res = run_torchrl(transport, n_params, n_tensors, workers, repeats)
         torch.set_num_threads(1)
     else:
-        res = _run_loop(transport, run_asyncsync(transport, n_params, n_tensors, workers, repeats))
+        res = _run_loop(transport, run_asyncsync(transport, n_params, n_tensors, workers, repeats, flat=flat))
         row["sender_copy_ms"] = res["last_copy_ms"]
         row["worker_commit_ms"] = max(res["worker_commit_ms"])
     row.update(summarize(res["latencies_ms"]))
@@ -590,6 +618,7 @@ def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, worke
     trainer_cpu: float | None = res.get("trainer_cpu_s")
     workers_cpu: float | None = res.get("workers_cpu_s")
     row["trainer_cpu_ms_per_send"] = trainer_cpu / n * 1e3 if trainer_cpu is not None else None
+    row["trainer_cpu_ms_per_worker"] = trainer_cpu / n / workers * 1e3 if trainer_cpu is not None else None
     row["cpu_ms_per_send"] = (
         (trainer_cpu + workers_cpu) / n * 1e3 if trainer_cpu is not None and workers_cpu is not None else None
     )
@@ -598,6 +627,33 @@ def _latency_row(transport: str, spec: str, n_params: int, n_tensors: int, worke
     row["vs_torchrl_mp"] = None
     row["vs_torchrl_shared"] = None
     return row
+
+
+def _add_cpu_growth(rows: list[dict[str, Any]]) -> list[str]:
+    """``trainer_cpu_vs_1w``: trainer CPU per send / that of the same row with 1 worker.
+
+    Returns one line per (transport, params, flat) with 1 and more workers: how the
+    trainer's CPU per send grows from 1 worker to the most workers measured.
+    """
+    one = {
+        (r["transport"], r["params"], r.get("flat", False)): r["trainer_cpu_ms_per_send"]
+        for r in rows
+        if r["kind"] == "latency" and r["workers"] == 1 and r.get("trainer_cpu_ms_per_send")
+    }
+    most: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    for r in rows:
+        if r["kind"] != "latency":
+            continue
+        key = (r["transport"], r["params"], r.get("flat", False))
+        base, cpu = one.get(key), r.get("trainer_cpu_ms_per_send")
+        r["trainer_cpu_vs_1w"] = cpu / base if base and cpu is not None else None
+        if r["trainer_cpu_vs_1w"] is not None and r["workers"] > most.get(key, {"workers": 1})["workers"]:
+            most[key] = r
+    return [
+        f"trainer CPU per send, {t}{' flat' if f else ''} {p}: {r['workers']} workers / 1 worker = "
+        f"{r['trainer_cpu_vs_1w']:.2f}x ({one[(t, p, f)]:.4f} -> {r['trainer_cpu_ms_per_send']:.4f} ms)"
+        for (t, p, f), r in most.items()
+    ]
 
 
 def _add_torchrl_ratios(rows: list[dict[str, Any]]) -> None:

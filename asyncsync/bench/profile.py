@@ -34,7 +34,7 @@ _OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # _core/ minus _layout.py, which counts as "other"
     ("sender", ("asyncsync/_local/_sender.py", "asyncsync/_core/_acks.py", "asyncsync/_core/_deadline.py", "asyncsync/_core/_front.py",
                 "asyncsync/_core/_offload.py", "asyncsync/_core/_source.py", "asyncsync/_core/_ownership.py", "asyncsync/_io/_slots.py",
-                "asyncsync/_core/_strategy.py", "asyncsync/_core/_signal.py")),
+                "asyncsync/_core/_strategy.py", "asyncsync/_core/_signal.py", "asyncsync/_core/_flat.py")),
     ("receiver", ("asyncsync/_local/_receiver.py",)),
     ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_wire/_protocol.py", "sendmsg", "recvmsg_into")),
     ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),
@@ -50,12 +50,14 @@ def _owner(func: tuple[str, int, str]) -> str:
     return "other"
 
 
-async def _run(params: str, workers: int, sends: int, profile: bool) -> tuple[float, pstats.Stats | None]:
-    from asyncsync import MultiProcessWeightSyncScheme, loopback_worker
+async def _run(params: str, workers: int, sends: int, profile: bool, flat: bool = False) -> tuple[float, pstats.Stats | None]:
+    from asyncsync import MultiProcessWeightSyncScheme, flatten_parameters, loopback_worker
     from asyncsync.bench._workload import make_model, parse_params
 
     n_params, n_tensors = parse_params(params)
     model = make_model(n_params, n_tensors)
+    if flat:
+        flatten_parameters(model)
     scheme = MultiProcessWeightSyncScheme(strategy="tensordict", sync=True)
     scheme.init_on_sender(model=model, num_workers=workers)
     ends = [loopback_worker(scheme, i) for i in range(workers)]
@@ -83,8 +85,10 @@ async def _run(params: str, workers: int, sends: int, profile: bool) -> tuple[fl
     return cpu, (pstats.Stats(prof) if prof is not None else None)
 
 
-def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top: int = 15) -> dict[str, Any]:
+def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top: int = 15, flat: bool = False) -> dict[str, Any]:
     """Profile *sends* sends of a *params* model to *workers* in-process receivers.
+
+    *flat*: the trainer's model goes through :func:`asyncsync.flatten_parameters` first.
 
     Returns ``cpu_us_per_send`` (no profiler), ``profiled_cpu_us_per_send``,
     ``shares`` (owner -> fraction of the profiled time) and ``top`` (printable lines).
@@ -98,8 +102,8 @@ def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plain, _ = asyncio.run(_run(params, workers, sends, profile=False))
-        profiled, stats = asyncio.run(_run(params, workers, sends, profile=True))
+        plain, _ = asyncio.run(_run(params, workers, sends, profile=False, flat=flat))
+        profiled, stats = asyncio.run(_run(params, workers, sends, profile=True, flat=flat))
     finally:
         set_debug(debug)
         torch.set_num_threads(threads)
@@ -129,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, help="in-process receivers (default 2)")
     parser.add_argument("--sends", type=int, default=2000, help="profiled sends (default 2000)")
     parser.add_argument("--top", type=int, default=15, help="functions listed (default 15)")
+    parser.add_argument("--flat", action="store_true", help="flatten the trainer's model first (asyncsync.flatten_parameters)")
     args = parser.parse_args(argv)
-    r = profile_sends(args.params, args.workers, args.sends, args.top)
+    r = profile_sends(args.params, args.workers, args.sends, args.top, flat=args.flat)
     print(f"{r['params']} to {r['workers']} in-process receivers, {r['sends']} sends")
     print(f"CPU per send (sender + receivers): {r['cpu_us_per_send']:.0f} us; under the profiler {r['profiled_cpu_us_per_send']:.0f} us")
     print("profiled time by owner: " + ", ".join(f"{k} {v:.0%}" for k, v in r["shares"].items()))
