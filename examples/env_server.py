@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import statistics
 import time
 
@@ -108,18 +109,21 @@ async def main() -> None:
         help="how the server applies new weights: swap (point the parameters at shared memory) or copy (into the parameters, on its loop)",
     )
     args = parser.parse_args()
+    print(f"imports done; starting the env server ({args.params:,} parameters, {args.envs} envs)...", flush=True)
     torch.set_num_threads(1)
     policy = Policy(args.params)
     scheme = MultiProcessWeightSyncScheme(commit=args.commit, sync=False, timeout=60)
     scheme.init_on_sender(model=policy, num_workers=1)
     async with spawn_workers(env_server, 1, args=(scheme, args.params, args.envs), scheme=scheme) as server:
         async with scheme:
+            print("the server runs version 0; pushing updates while it steps its envs", flush=True)
             for _ in range(args.updates):
                 await asyncio.sleep(0.1)  # "training"
                 with torch.no_grad():
                     for p in policy.parameters():
                         p.add_(0.01)
-                await scheme.send()  # sync=False: returns once handed over
+                version = await scheme.send()  # sync=False: returns once handed over
+                print(f"sent version {version}; the server runs {scheme.sender.applied_versions()[0]}", flush=True)
             await scheme.wait_async()
             await asyncio.sleep(0.1)
         latencies = (await server.join())[0]
@@ -134,4 +138,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # asyncsync's progress lines
     asyncio.run(main())

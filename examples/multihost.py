@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -80,7 +81,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rank-is-worker", action="store_true", help="every rank but the trainer's is one worker")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # asyncsync's progress lines
     scheme = DistributedWeightSyncScheme(strategy="tensordict", timeout=60)  # RANK, WORLD_SIZE, MASTER_* from torchrun
+    who = "trainer" if scheme.rank == 0 else f"host {scheme.rank}"
+    print(f"[{who}] imports done; connecting (rank {scheme.rank} of {scheme.world_size})...", flush=True)
     if scheme.rank == 0:
         asyncio.run(train(scheme, 1 if args.rank_is_worker else args.workers_per_host, args.steps))
     elif args.rank_is_worker:

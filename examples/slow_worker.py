@@ -14,6 +14,7 @@ Run: python examples/slow_worker.py
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
@@ -54,6 +55,7 @@ async def worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, step_s: 
 
 
 async def main() -> None:
+    print("imports done; starting 2 workers (a fast one and a slow one)...", flush=True)
     torch.manual_seed(0)
     policy = make_policy()
     optim = torch.optim.SGD(policy.parameters(), lr=1e-2)
@@ -91,4 +93,5 @@ async def _dispatch(worker_idx: int, scheme: MultiProcessWeightSyncScheme, args:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # asyncsync's progress lines
     asyncio.run(main())

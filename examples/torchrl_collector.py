@@ -9,6 +9,7 @@ Run: ``python examples/torchrl_collector.py`` (needs ``pip install torch==2.13.0
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -44,6 +45,7 @@ def returns_to_go(reward: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    print("imports done; starting a torchrl MultiSyncCollector with 2 workers...", flush=True)
     torch.manual_seed(0)
     policy = make_policy()
     optim = torch.optim.Adam(policy.parameters(), lr=1e-2)
@@ -80,4 +82,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # asyncsync's progress lines
     main()

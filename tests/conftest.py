@@ -32,8 +32,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
         from asyncsync._local._workers import FORKSERVER_PRELOAD
 
+        unset = mp.get_start_method(allow_none=True) is None
         forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         forkserver.ensure_running()
+        if unset:
+            # ensure_running() fixes the global start method to the platform's default (fork),
+            # which torchrl's collectors would then use: leave it unset, as it was.
+            mp.set_start_method(None, force=True)  # type: ignore[arg-type]
 
 
 # What depends on tensordict's version: CI's second pass (tensordict 0.14.3, torchrl's pin)

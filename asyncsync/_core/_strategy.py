@@ -8,6 +8,7 @@ flat mapping ``"layer.0.weight" -> tensor`` (parameters and buffers of the modul
 from __future__ import annotations
 
 import difflib
+import logging
 import operator
 import sys
 from collections.abc import Mapping
@@ -395,6 +396,8 @@ def as_user_weights(flat: Mapping[str, torch.Tensor], strategy: Strategy, layout
                 flat[alias] = flat[canonical]
     if strategy == "state_dict":
         return dict(flat)
+    if "tensordict" not in sys.modules:  # its first import takes seconds: say what is happening
+        logging.getLogger("asyncsync").info("asyncsync: importing tensordict (strategy='tensordict')...")
     from tensordict import TensorDict
 
     return TensorDict(dict(flat), batch_size=[]).unflatten_keys(".")

@@ -58,6 +58,7 @@ START_METHODS = ("spawn", "forkserver")
 FORKSERVER_PRELOAD = ("torch", "tensordict", "asyncsync")
 # How long a worker may take to start (import its modules, unpickle its arguments).
 START_TIMEOUT = 600.0
+_PROGRESS_EVERY = 2.0  # seconds between progress lines while worker processes start
 
 
 def _context(ctx: mp.context.BaseContext | None, start_method: str | None) -> mp.context.BaseContext:
@@ -320,9 +321,19 @@ class WorkerGroup:
         before it started, :class:`SyncTimeoutError` after *timeout* seconds.
         """
         t0 = time.monotonic()
+        since = getattr(self, "_t_start", t0)
+        n = len(self.processes)
         waits = [asyncio.ensure_future(self._wait_started_one(idx)) for idx in self.processes]
+        deadline = None if timeout is None else t0 + timeout
         try:
-            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+            while True:
+                # A line every few seconds while processes import torch: a long start is no hang.
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                step = _PROGRESS_EVERY if left is None else min(_PROGRESS_EVERY, left)
+                done, pending = await asyncio.wait(waits, timeout=step, return_when=asyncio.FIRST_EXCEPTION)
+                if not pending or any(w.exception() is not None for w in done) or (left is not None and left <= step):
+                    break
+                logger.info("asyncsync: %d/%d workers started, %.0f s...", n - len(pending), n, time.monotonic() - since)
         finally:
             for w in waits:
                 w.cancel()
@@ -333,8 +344,6 @@ class WorkerGroup:
         if len(done) < len(waits):
             waiting = {i: -1 for i in self.processes if i not in self._started}
             raise SyncTimeoutError("waiting for worker processes to start", waiting, timeout)
-        n = len(self.processes)
-        since = getattr(self, "_t_start", t0)
         logger.info("asyncsync: %d/%d worker%s started in %.1f s", n, n, "" if n == 1 else "s", time.monotonic() - since)
 
     async def _wait_started_one(self, idx: int) -> None:
