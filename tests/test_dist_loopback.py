@@ -452,3 +452,35 @@ async def test_loopback_hosts_in_manual_commit_mode_connect_with_version_0_commi
             await w.wait_for_version(1)
             assert w.commit() == 1
         assert await sending == 1
+
+
+async def test_a_partial_update_is_whole_to_a_host_that_did_not_publish_its_base() -> None:
+    """The trainer's transfer of version 2 completes, but the relay loses that landing (its
+    bytes are consumed, nothing is published: the worker's newest there stays 1). A partial
+    update on version 2 must then travel whole: a delta would name a base the relay lacks,
+    and the worker would reject it."""
+    async with trio() as (trainer, model, relay, worker, local):
+        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        relay_local = relay.relay.local
+        fill_(model, 1.0)
+        assert await trainer.send() == 1
+        real = relay_local.publish_filled
+        lost: list[int] = []
+
+        async def publish_filled(fill: Any, version: int, *args: Any, **kwargs: Any) -> None:
+            if version == 2:
+                await fill(torch.empty(relay_local.layout.nbytes, dtype=torch.uint8))  # received, then lost
+                lost.append(version)
+                raise RuntimeError("landing lost")
+            await real(fill, version, *args, **kwargs)
+
+        relay_local.publish_filled = publish_filled  # type: ignore[method-assign]
+        fill_(model, 2.0)
+        assert await trainer.send_async() == 2
+        host = trainer.sender._hosts[1]
+        assert await trainer.sender._changed.wait_until(lambda: bool(lost) and not host.busy and not host.pending, 10)
+        assert worker.version == 1
+        v = await trainer.send(weights={"0.bias": torch.zeros(16)}, partial=True, timeout=10)
+        assert worker.version == v == 3
+        assert trainer.statistics().last_send_bytes == trainer.statistics().buffer_bytes  # whole
+        assert bool((local[0].bias == 0).all()) and bool((local[0].weight == 2.0).all()) and bool((local[2].bias == 2.0).all())

@@ -73,9 +73,8 @@ class _Buf:
         self.serial = -1  # which write this is (a buffer is reused)
         self.owners = 0  # workers whose newest version this is
         self.transfers = 0  # network transfers still reading it
-        # A partial update: the write it completed (serial, version) and the byte ranges it
-        # changed; a host that landed that write gets only these ranges.
-        self.base_serial = -1
+        # A partial update: the version it completed and the byte ranges it changed; a
+        # host whose targets applied that version gets only these ranges.
         self.base_version = -1
         self.ranges: tuple[tuple[int, int], ...] = ()
 
@@ -105,9 +104,6 @@ class _Host:
         # buffers on one host: a partial update completed from different bases per worker.
         self.pending: dict[tuple[int, int], tuple[_Buf, set[int]]] = {}
         self.delivered = -1
-        # Writes this connection received, by serial, with the local workers they went to
-        # (a partial update travels as a delta only to workers that hold its base).
-        self.landed: dict[int, set[int]] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.busy = False  # a transfer to this host is in flight
 
@@ -230,10 +226,10 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
                     self._serial += 1
                     buf.serial = self._serial
                     if base is None:
-                        buf.base_serial = buf.base_version = -1
+                        buf.base_version = -1
                         buf.ranges = ()
                     else:
-                        buf.base_serial, buf.base_version = base.serial, base.version
+                        buf.base_version = base.version
                         buf.ranges = _changed_ranges(self._layout, flat, self.chunk_bytes)
             except BaseException:
                 for buf, _ in written:
@@ -519,9 +515,7 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
     def _requeue(self, h: _Host) -> None:
         """After the group re-formed, transfer again each worker's newest version it has not
         acked: a relay gives up a receive when a new generation is announced, even one whose
-        bytes had all left the trainer (the relay skips what it already holds). What it
-        landed before no longer counts as a partial update's base."""
-        h.landed.clear()
+        bytes had all left the trainer (the relay skips what it already holds)."""
         for w in h.workers.values():
             if w.latest is not None and w.applied < w.latest.version and w.state in ("waiting", "connected"):
                 h.pending.setdefault((w.latest.version, w.latest.serial), (w.latest, set()))[1].add(w.wid[1])
@@ -539,9 +533,8 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
         p2p = set(hosts) != set(self._members)
         self._tag = (self._tag + 1) % (1 << 20)
         tag = self._tag * 2048
-        # A partial update moves only its changed bytes to hosts that hold its base.
         named = {h: set(self._hosts[h].pending[key][1]) for h in hosts}  # the targets this transfer names
-        delta = bool(buf.ranges) and all(named[h] <= self._hosts[h].landed.get(buf.base_serial, set()) for h in hosts)
+        delta = bool(buf.ranges) and all(self._holds_base(self._hosts[h], named[h], buf) for h in hosts)
         base, ranges = (buf.base_version, buf.ranges) if delta else (-1, ())
         data: torch.Tensor | list[torch.Tensor] = [buf.tensor[o : o + n] for o, n in ranges] if delta else buf.tensor
         for h in hosts:
@@ -616,15 +609,23 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
             if self._state == "running":
                 logger.warning("asyncsync: transfer of version %d to hosts %s abandoned: a host was lost during it; re-forming the group", version, hosts)
             return
-        alive = {b.serial for b in self._bufs}
         for h in hosts:
             host = self._hosts[h]
             host.delivered = max(host.delivered, version)
             host.pending.pop(key, None)
-            for serial in [s for s in host.landed if s not in alive]:  # a reused buffer is no base any more
-                del host.landed[serial]
-            host.landed.setdefault(buf.serial, set()).update(named[h])
         self._changed.notify()
+
+    @staticmethod
+    def _holds_base(host: _Host, targets: set[int], buf: _Buf) -> bool:
+        """Whether partial update *buf* may travel as a delta to *targets* on *host*: each
+        applied its base on this connection. A relay completes a delta from its targets'
+        newest version, so that must be the base; a transfer that reached the relay does not
+        prove it (the relay may have lost that landing, or given up the receive), an ack
+        does: the relay published the version before the worker could apply it, and it
+        holds nothing newer than what the trainer gave these workers (*buf*'s base)."""
+        return all(
+            host.workers[i].state == "connected" and host.workers[i].applied == buf.base_version for i in targets
+        )
 
     # ----------------------------------------------------------------- connections
 
