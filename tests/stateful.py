@@ -22,9 +22,7 @@ after the run, descriptors and threads are back to where they started.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
-import threading
 from typing import Any
 
 import torch
@@ -40,7 +38,7 @@ from asyncsync import (
     loopback_worker,
 )
 from asyncsync._core._ownership import set_debug, slot_bound
-from asyncsync._stateful import KEYS, SHORT, _describe, check_version, content, fill, gate_receive, make_model
+from asyncsync._stateful import KEYS, SHORT, check_version, content, fill, gate_receive, make_model, run_without_leaks
 
 HANG = 10.0  # a call that outlives its own timeout by this much is a hang
 
@@ -404,17 +402,8 @@ def run_machine(settings: Any) -> int:
 
     Returns the number of steps checked.
     """
-    from hypothesis.stateful import run_state_machine_as_test
-
     SyncMachine.steps = 0
-    gc.collect()
-    fds0 = set(os.listdir("/proc/self/fd"))
-    threads0 = {t.ident for t in threading.enumerate()}
-    run_state_machine_as_test(SyncMachine, settings=settings)
-    gc.collect()
-    fds = set(os.listdir("/proc/self/fd"))
-    assert fds <= fds0, f"descriptors leaked: {_describe(fds - fds0)}"
-    assert {t.ident for t in threading.enumerate()} <= threads0, "threads leaked"
+    run_without_leaks(SyncMachine, settings)
     return SyncMachine.steps
 
 
