@@ -40,7 +40,6 @@ a whole rollout).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -56,6 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torchrl is abse
     raise ImportError("asyncsync.torchrl needs torchrl (pip install torchrl); the rest of asyncsync does not") from exc
 
 from ._errors import SyncTimeoutError
+from ._io._loop_thread import SHUTDOWN_TIMEOUT_S, LoopThread
 from ._local._scheme import MultiProcessWeightSyncScheme
 from ._stats import ReceiverStatistics, SenderStatistics
 
@@ -66,7 +66,6 @@ logger = logging.getLogger("asyncsync")
 T = TypeVar("T")
 _DEFAULT: Any = ...
 #: How long shutdown() waits for asyncsync to close before it gives up (it never raises).
-_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
@@ -131,7 +130,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
 
     def _runtime_init(self) -> None:
         """State that lives in one process only (never pickled)."""
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._connecting: asyncio.Task[int] | None = None
         self._gate: _Gate | None = None
         self._hooks: list[Any] = []
@@ -260,7 +259,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
 
         self._trainer_loop().run(wait(), self._outer_bound(timeout))
 
-    def _trainer_loop(self) -> _LoopThread:
+    def _trainer_loop(self) -> LoopThread:
         if not self.initialized_on_sender:
             raise RuntimeError("Must be initialized on sender before sending weights")
         if self._loop is None or self._connecting is None:
@@ -298,7 +297,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self._closed = True
         try:
             if loop.alive and threading.get_ident() != loop.ident:
-                loop.run(self._aclose(), _SHUTDOWN_TIMEOUT_S)
+                loop.run(self._aclose(), SHUTDOWN_TIMEOUT_S)
         except Exception as exc:  # shutdown never raises (it runs from __del__ too)
             logger.warning("asyncsync: closing %s: %r", type(self).__name__, exc)
         finally:
@@ -318,11 +317,11 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         else:
             await self._inner.aclose()
 
-    def _start_loop(self, name: str) -> _LoopThread:
+    def _start_loop(self, name: str) -> LoopThread:
         if self._loop is not None:
             raise RuntimeError("this scheme is already connected")
         self._closed = False
-        self._loop = _LoopThread(name, self.loop_factory)
+        self._loop = LoopThread(name, self.loop_factory, owner="AsyncSyncScheme")
         return self._loop
 
     # ------------------------------------------------------------------ worker side
@@ -552,59 +551,6 @@ class _Gate:
 
 
 # ---------------------------------------------------------------------- the loop thread
-
-
-class _LoopThread:
-    """An event loop running in a daemon thread of its own; coroutines are submitted to it."""
-
-    def __init__(self, name: str, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None) -> None:
-        self.loop = loop_factory() if loop_factory is not None else asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
-        self.ident = self._thread.ident
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            try:
-                pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
-                for t in pending:
-                    t.cancel()
-                if pending:
-                    self.loop.run_until_complete(asyncio.wait(pending, timeout=_SHUTDOWN_TIMEOUT_S))
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            finally:
-                self.loop.close()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if threading.get_ident() == self.ident:
-            coro.close()
-            raise RuntimeError("AsyncSyncScheme's blocking calls cannot run on its own loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        future = self.submit(coro)
-        try:
-            done, _ = concurrent.futures.wait([future], timeout)
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt in the caller: do not leave it running
-            raise
-        if not done:
-            future.cancel()
-            raise SyncTimeoutError("an AsyncSyncScheme call", {}, timeout)
-        return future.result()
-
-    def close(self) -> None:
-        if self.alive:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            if threading.get_ident() != self.ident:
-                self._thread.join(_SHUTDOWN_TIMEOUT_S)
 
 
 async def _value(fn: Callable[[], T]) -> T:

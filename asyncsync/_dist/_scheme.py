@@ -29,10 +29,9 @@ import asyncio
 import datetime
 import os
 import secrets
-import threading
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +40,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from .._core._source import configured_source
 from .._core._strategy import Strategy, resolve_model, to_flat
 from .._errors import ClosedError
+from .._io._loop_thread import LoopThread
 from .._local._loopback import loopback_worker
 from .._local._receiver import Commit, CommitMode, OnUpdate
 from .._local._scheme import MultiProcessWeightSyncScheme, _check_device
@@ -53,7 +53,6 @@ from ._sender import DistSender, WorkerId
 
 __all__ = ["DistributedWeightSyncScheme"]
 
-T = TypeVar("T")
 
 
 class DistributedWeightSyncScheme:
@@ -175,7 +174,9 @@ class DistributedWeightSyncScheme:
         self._relay: Relay | None = None
         self._local: MultiProcessWeightSyncScheme | None = None
         self._worker: MultiProcessWeightSyncScheme | None = None  # init_on_receiver: the worker in this process
-        self._relay_loop: _RelayLoop | None = None  # init_on_receiver: where the relay runs
+        # init_on_receiver: the relay's own loop thread (the worker's loop may block for a long
+        # synchronous step while the relay keeps landing weights and answering the trainer)
+        self._relay_loop: LoopThread | None = None
         self._relay_closed = False
 
     # ------------------------------------------------------------------ rendezvous
@@ -426,10 +427,10 @@ class DistributedWeightSyncScheme:
             if self._relay_loop is None:
                 if self._relay_closed:
                     raise ClosedError(f"host {self.relay.host}: the relay is closed")
-                self._relay_loop = _RelayLoop(self.relay.host)
+                self._relay_loop = LoopThread(f"asyncsync-relay-{self.relay.host}")
             relay_loop = self._relay_loop
             both = [
-                asyncio.ensure_future(relay_loop.run(self.relay.connect(timeout=timeout))),
+                asyncio.ensure_future(relay_loop.call(self.relay.connect(timeout=timeout))),
                 asyncio.ensure_future(self._worker.connect(timeout=timeout)),
             ]
             try:
@@ -450,7 +451,7 @@ class DistributedWeightSyncScheme:
         elif self._relay_loop is not None:
             relay_loop, self._relay_loop = self._relay_loop, None
             self._relay_closed = True
-            await relay_loop.run(self.relay.aclose())
+            await relay_loop.call(self.relay.aclose())
             relay_loop.close()
         elif self._relay is not None:
             self._relay_closed = True
@@ -522,36 +523,3 @@ class DistributedWeightSyncScheme:
 
 def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
     return scheme
-
-
-class _RelayLoop:
-    """The event loop of a rank's relay when the rank is itself the worker, in a daemon
-    thread: the worker's loop may block for a long synchronous step (rollouts, env steps)
-    while the relay keeps landing the newest weights (the worker commits them once its
-    loop turns again), answering the trainer and taking part in broadcasts, so a busy
-    worker never holds up the other hosts. The worker reaches its relay through the
-    local channel (a socket and shared memory), as a worker process would."""
-
-    def __init__(self, host: int) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name=f"asyncsync-relay-{host}", daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            try:
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            finally:
-                self.loop.close()
-
-    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """*coro* on the relay's loop; cancelling the caller cancels it there."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-    def close(self) -> None:
-        """Stop the loop and join its thread (it has nothing left to run: instant)."""
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
