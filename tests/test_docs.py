@@ -248,8 +248,11 @@ def _no_leaked_children(scripts: Scripts) -> Iterator[None]:
     running in the background (each is waited for by its own test, the rest killed at the end)."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
-    now = psutil.Process().children(recursive=True)
+    # The scripts' children, looked up on both sides of the snapshot: a script that ends
+    # right after it would otherwise leave its exiting worker looking like ours.
     background = scripts.background_pids()
+    now = psutil.Process().children(recursive=True)
+    background |= scripts.background_pids()
     left = [
         p
         for p in now
