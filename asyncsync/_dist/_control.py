@@ -17,56 +17,24 @@ stream's writer thread, so a peer whose event loop is blocked still beats.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import os
 import select
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._errors import BrokenChannelError, ProtocolError, SyncTimeoutError, format_seconds
-from .._wire._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
+from .._wire._auth import HANDSHAKE_LIMIT, auth_mac, mac, new_nonce, resolve_token, welcome_mac
+from .._wire._protocol import HEADER_BYTES, Beat, Message, decode, encode, payload_length
 
-__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "off_loop", "resolve_token"]
+__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "auth_mac", "mac", "new_nonce", "off_loop", "resolve_token", "welcome_mac"]
 
 logger = logging.getLogger("asyncsync")
 
-# The largest payload before authentication: an Auth frame (host, workers, pid, 2 x 32 bytes).
-HANDSHAKE_LIMIT = 12 + 2 * NONCE_BYTES
 # After authentication: a Setup frame of a very large layout.
 FRAME_LIMIT = 256 << 20
-
-
-def resolve_token(token: str | bytes | None) -> bytes | None:
-    """The shared secret: *token*, else ``ASYNCSYNC_TOKEN``, else None."""
-    if token is None:
-        token = os.environ.get("ASYNCSYNC_TOKEN") or None
-    if token is None:
-        return None
-    raw = token.encode("utf-8") if isinstance(token, str) else bytes(token)
-    if not raw:
-        raise ValueError("the token is empty")
-    return raw
-
-
-def new_nonce() -> bytes:
-    return os.urandom(NONCE_BYTES)
-
-
-def mac(token: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
-
-
-def auth_mac(token: bytes, challenge: bytes, host: int, num_workers: int) -> bytes:
-    return mac(token, b"relay", challenge, struct.pack("!II", host, num_workers))
-
-
-def welcome_mac(token: bytes, nonce: bytes) -> bytes:
-    return mac(token, b"trainer", nonce)
 
 
 class ControlStream:
