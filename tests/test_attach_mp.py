@@ -265,3 +265,15 @@ def test_the_address_round_trips_through_its_string_form() -> None:
         WorkerAddress.from_string("tcp://host:1")
     with pytest.raises(ValueError, match="ASYNCSYNC_ADDRESS is not set"):
         WorkerAddress.from_env({})
+
+
+async def test_the_example_runs() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "examples/attach_worker.py", "--workers", "1", "--steps", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=str(ROOT),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 110)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert "step 1: version 2 applied by {0: 2}" in text and "worker 0" in text and "stopped at version 2" in text

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "asyncsync"
 # The public vocabulary every layer may use: exceptions, statistics rows, options.
 VOCABULARY = {"asyncsync._errors", "asyncsync._stats", "asyncsync._options"}
 # Modules on top of everything: they may import any layer and no layer imports them.
-TOP = {"asyncsync", "asyncsync.testing", "asyncsync.torchrl", "asyncsync.soak", "asyncsync._stateful", "asyncsync.bench"}
+TOP = {"asyncsync", "asyncsync.testing", "asyncsync.torchrl", "asyncsync.ray", "asyncsync.soak", "asyncsync._stateful", "asyncsync.bench"}
 FOLDERS = {"_core": "core", "_wire": "wire", "_io": "io", "_local": "local", "_dist": "dist"}
 
 _BELOW = ["vocabulary", "core", "wire", "io", "local", "dist"]

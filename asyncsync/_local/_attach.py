@@ -78,10 +78,18 @@ class WorkerAddress:
 
     Example::
 
-        address = WorkerAddress("/tmp/trainer.sock", token="s3cret")
-        text = str(address)            # unix:/tmp/trainer.sock?token=s3cret&strategy=tensordict&...
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        address = await scheme.listen()            # a Unix socket in a private directory
+        text = str(address)                        # unix:/tmp/asyncsync-.../trainer.sock?token=...
         assert WorkerAddress.from_string(text) == address
-        print(address)                 # the repr hides the token
+        # Any process on this host joins with the text alone (here: this one).
+        worker = MultiProcessWeightSyncScheme.attach(text, worker_idx=0)
+        worker.init_on_receiver(model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        print(await scheme.send(), worker.version)  # 1 1
+        await worker.aclose()
+        await scheme.aclose()                      # removes the socket file
     """
 
     path: str
