@@ -4,9 +4,9 @@
     python examples/ray_workers.py                 # a local Ray instance
     python examples/ray_workers.py --address auto  # the Ray cluster this node belongs to
 
-Each actor runs ``rollout_worker`` (the function ``spawn_workers`` would run) in its event
-loop; its scheme attaches to the trainer by address, so every update goes through shared
-memory on this node. Ray's object store carries no weights.
+Each actor runs the quickstart's ``rollout_worker`` (the function ``spawn_workers`` runs
+there), unchanged, in its event loop; its scheme attaches to the trainer by address, so
+every update goes through shared memory on this node. Ray's object store carries no weights.
 """
 
 from __future__ import annotations
@@ -15,33 +15,16 @@ import argparse
 import asyncio
 import time
 
+import quickstart  # examples/quickstart.py, next to this file
 import ray
 import torch
-from torch import nn
 
 from asyncsync import MultiProcessWeightSyncScheme
 from asyncsync.ray import start_workers
 
-
-def make_policy() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2))
-
-
-async def rollout_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> dict[str, int]:
-    """The quickstart's worker, unchanged: acts with its copy; updates land between two awaits."""
-    torch.set_num_threads(1)
-    policy = make_policy()
-    scheme.init_on_receiver(worker_idx=worker_idx, model=policy)
-    steps = 0
-    async with scheme:
-        stopped = asyncio.ensure_future(scheme.wait_stopped())
-        while not stopped.done():
-            with torch.no_grad():
-                policy(torch.randn(16, 8))
-            steps += 1
-            await asyncio.sleep(0.001)
-        await stopped
-    return {"version": scheme.version, "steps": steps}
+# The actors cannot import this folder's modules: the quickstart's functions travel by value.
+ray.cloudpickle.register_pickle_by_value(quickstart)
+make_policy, rollout_worker = quickstart.make_policy, quickstart.rollout_worker
 
 
 async def main(num_workers: int, steps: int) -> None:
