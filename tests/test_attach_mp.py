@@ -277,3 +277,45 @@ async def test_the_example_runs() -> None:
     text = out.decode()
     assert proc.returncode == 0, text
     assert "step 1: version 2 applied by {0: 2}" in text and "worker 0" in text and "stopped at version 2" in text
+
+
+async def test_queue_transport_passes_a_segment_per_message_over_the_socket() -> None:
+    model = nn.Linear(4, 4)
+    scheme = MultiProcessWeightSyncScheme(timeout=30, transport="queue")
+    scheme.init_on_sender(model=model, num_workers=1)
+    address = await scheme.listen()
+    local = nn.Linear(4, 4)
+    worker = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
+    worker.init_on_receiver(model=local)
+    try:
+        await asyncio.gather(scheme.connect(), worker.connect())
+        for v in (1, 2):
+            fill_(model, float(v))
+            assert await scheme.send() == v
+            assert worker.version == v
+            assert all(bool((p == float(v)).all()) for p in local.parameters())
+    finally:
+        await worker.aclose()
+        await scheme.aclose()
+
+
+async def test_a_socket_file_left_by_a_dead_trainer_is_replaced_and_a_live_one_refused(tmp_path: Path) -> None:
+    import socket
+
+    path = str(tmp_path / "trainer.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # bound, never listening, closed without unlinking: a killed trainer's leftover
+    stale.close()
+    first = MultiProcessWeightSyncScheme(timeout=30)
+    first.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    second = MultiProcessWeightSyncScheme(timeout=30)
+    second.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    try:
+        address = await first.listen(path=path)
+        assert address.path == path
+        with pytest.raises(FileExistsError, match=f"another trainer listens at {path}"):
+            await second.listen(path=path)
+    finally:
+        await first.aclose()
+        await second.aclose()
+    assert not os.path.exists(path)

@@ -32,6 +32,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 from collections.abc import Mapping
@@ -309,11 +310,10 @@ def _remove_stale(path: str) -> None:
     """Remove a socket file nobody listens on (left by a trainer that crashed); refuse a live one."""
     if not os.path.exists(path):
         return
-    import stat
-
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
         raise FileExistsError(f"{path} exists and is not a socket: choose another path for the trainer to listen on")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)  # a live listener answers at once; never hang on a full backlog
     try:
         probe.connect(path)
     except ConnectionRefusedError:
