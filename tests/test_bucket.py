@@ -317,3 +317,20 @@ async def test_copy_commits_and_staged_commits_take_no_bucket(options: dict) -> 
         assert _receivers(lb)[0]._bucket is None
         if options.get("commit") == "copy":
             assert [p.data_ptr() for p in lb.models[0].parameters()] == ptrs  # stable addresses
+
+
+async def test_an_inference_mode_model_is_staged_and_committed_per_tensor() -> None:
+    def inference_model() -> nn.Module:
+        with torch.inference_mode():
+            return Many()
+
+    trainer = Many()
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, inference_model) as lb:
+        for k in range(1, 4):
+            _stamp(trainer, float(k))
+            await scheme.send()
+            assert _stamped(lb.models[0], float(k))
+        assert all(t.is_inference() for t in lb.models[0].state_dict().values())
+        assert _receivers(lb)[0]._bucket is None  # slot views are not inference tensors: staged
