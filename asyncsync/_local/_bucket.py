@@ -8,9 +8,13 @@ laid out exactly as a slot (:meth:`~.._core._layout.Layout.views`), so that a co
 over the new slot's bytes: every tensor viewing the model's storage follows in one C call.
 
 - The fresh storage (:meth:`~.._io._shm.Segment.share`) is never the slot's own: the slot's
-  cached views keep pointing at the slot. What the model's storage held before (the
-  previous slot's mapping, or the memory of the first arrangement) moves into the fresh
-  storage object and is released with it.
+  cached views (the receiver's live and pending sets) keep pointing at their slot. What the
+  model's storage held before (its reference to the previous slot's mapping) moves into the
+  fresh storage object and is released with it. The model's own initial memory goes at the
+  first commit, as with per-tensor swaps. Which slot the model holds is what the receiver's
+  ledger says either way.
+- The swap is a commit's last step and either happens whole or raises with nothing moved:
+  there is nothing to undo.
 - The first commit, and any commit after the arrangement was disturbed (a tensor
   re-pointed since, ``p.data = other``; a per-tensor commit undone half way), is per tensor,
   onto views of a fresh storage: that arranges the model again. Which one applies is
