@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -303,12 +304,23 @@ async def test_without_swap_data_ptr_commits_per_tensor(monkeypatch: pytest.Monk
         assert _receivers(lb)[0]._bucket is None
 
 
-@pytest.mark.parametrize("options", [{"commit": "copy"}, {"transfer_dtype": torch.bfloat16}])
-async def test_copy_commits_and_staged_commits_take_no_bucket(options: dict) -> None:  # type: ignore[type-arg]
+def _inference_many() -> nn.Module:
+    with torch.inference_mode():
+        return Many()
+
+
+@pytest.mark.parametrize(
+    ("options", "make"),
+    [({"commit": "copy"}, Many), ({"transfer_dtype": torch.bfloat16}, Many), ({}, _inference_many)],
+    ids=["copy", "transfer_dtype", "inference_mode"],
+)
+async def test_copy_staged_and_inference_commits_take_no_bucket(options: dict, make: Any) -> None:  # type: ignore[type-arg]
+    """commit="copy" writes in place; a cast and an inference model (slot views are no
+    inference tensors) are staged first: all commit per tensor, as before."""
     trainer = Many()
     scheme = MultiProcessWeightSyncScheme(timeout=30, **options)
     scheme.init_on_sender(model=trainer, num_workers=1)
-    async with open_loopback(scheme, Many) as lb:
+    async with open_loopback(scheme, make) as lb:
         ptrs = [p.data_ptr() for p in lb.models[0].parameters()]
         for k in range(1, 4):
             _stamp(trainer, float(k))
@@ -317,20 +329,5 @@ async def test_copy_commits_and_staged_commits_take_no_bucket(options: dict) -> 
         assert _receivers(lb)[0]._bucket is None
         if options.get("commit") == "copy":
             assert [p.data_ptr() for p in lb.models[0].parameters()] == ptrs  # stable addresses
-
-
-async def test_an_inference_mode_model_is_staged_and_committed_per_tensor() -> None:
-    def inference_model() -> nn.Module:
-        with torch.inference_mode():
-            return Many()
-
-    trainer = Many()
-    scheme = MultiProcessWeightSyncScheme(timeout=30)
-    scheme.init_on_sender(model=trainer, num_workers=1)
-    async with open_loopback(scheme, inference_model) as lb:
-        for k in range(1, 4):
-            _stamp(trainer, float(k))
-            await scheme.send()
-            assert _stamped(lb.models[0], float(k))
-        assert all(t.is_inference() for t in lb.models[0].state_dict().values())
-        assert _receivers(lb)[0]._bucket is None  # slot views are not inference tensors: staged
+        if make is _inference_many:
+            assert all(t.is_inference() for t in lb.models[0].state_dict().values())
