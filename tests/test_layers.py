@@ -150,6 +150,7 @@ def test_a_forbidden_import_is_caught(module: str, source: str) -> None:
         ("asyncsync._wire._protocol", "from .._core._layout import Layout\n"),
         ("asyncsync._io._queues", "from .._wire._protocol import encode\n"),
         ("asyncsync._local._sender", "from .._io._slots import SlotPool\nfrom ._receiver import Receiver\n"),
+        ("asyncsync._local._receiver", "from ._bucket import SlotBucket\n"),
         ("asyncsync._dist._relay", "from .._local._sender import Sender\nfrom . import _control\n"),
         ("asyncsync.testing", "from ._dist._scheme import DistributedWeightSyncScheme\n"),
     ],
