@@ -67,6 +67,15 @@ class Owner:
         self.discarded.append(result)
 
 
+async def leave_while_running(gate: Gate, run: Any) -> None:
+    """Start *run* (a coroutine awaiting *gate*'s job), and cancel it once the job runs."""
+    task = asyncio.create_task(run)
+    await asyncio.wait_for(gate.started.wait(), WAIT_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 @pytest.fixture(params=[False, True], ids=["single-thread", "daemon"])
 def offload(request: pytest.FixtureRequest) -> Any:
     off = Offload("asyncsync-test", daemon=request.param)
@@ -85,13 +94,9 @@ async def test_the_caller_gets_the_result_and_owns_nothing_extra(offload: Offloa
 async def test_a_cancelled_caller_leaves_at_once_and_the_owner_is_released_only_when_the_work_ends(offload: Offload) -> None:
     owner = Owner()
     gate = Gate()
-    task = asyncio.create_task(
-        offload.run(gate.job(result="late"), keep=owner.keep, release=owner.release, discard=owner.discard)
+    await leave_while_running(
+        gate, offload.run(gate.job(result="late"), keep=owner.keep, release=owner.release, discard=owner.discard)
     )
-    await asyncio.wait_for(gate.started.wait(), WAIT_S)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
     # The caller is gone while the work still blocks: what it owns stays reserved.
     assert not gate.finished.is_set()
     assert owner.calls == ["keep"]
@@ -121,17 +126,12 @@ async def test_an_exception_after_the_caller_left_is_consumed(offload: Offload, 
     try:
         owner = Owner()
         gate = Gate()
-        task = asyncio.create_task(
-            offload.run(gate.job(error=ValueError("the late failure")), keep=owner.keep, release=owner.release)
+        await leave_while_running(
+            gate, offload.run(gate.job(error=ValueError("the late failure")), keep=owner.keep, release=owner.release)
         )
-        await asyncio.wait_for(gate.started.wait(), WAIT_S)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
         with caplog.at_level(logging.DEBUG, logger="asyncsync"):
             gate.go.set()
             await asyncio.wait_for(owner.released.wait(), WAIT_S)
-        del task
         gc.collect()  # a future's unretrieved exception is reported (to the handler) as it is collected
         assert unhandled == []
         assert any("the late failure" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
@@ -172,11 +172,7 @@ async def test_the_next_job_on_the_single_thread_starts_after_one_whose_caller_l
     offload = Offload("asyncsync-test")
     try:
         first, owner = Gate(), Owner()
-        task = asyncio.create_task(offload.run(first.job(), keep=owner.keep, release=owner.release))
-        await asyncio.wait_for(first.started.wait(), WAIT_S)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await leave_while_running(first, offload.run(first.job(), keep=owner.keep, release=owner.release))
         assert offload.busy
 
         def second() -> bool:
@@ -214,11 +210,7 @@ async def test_a_cancelled_staging_copy_returns_at_once_and_close_waits_for_it()
     anything it reads is unmapped."""
     stager = Stager(torch.device("cpu"))
     gate = Gate()
-    task = asyncio.create_task(stager.run(THREAD_BYTES, gate.job()))
-    await asyncio.wait_for(gate.started.wait(), WAIT_S)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await leave_while_running(gate, stager.run(THREAD_BYTES, gate.job()))
     assert not gate.finished.is_set()
     gate.go.set()
     stager.close()
@@ -241,11 +233,7 @@ async def test_a_result_lives_no_longer_than_its_caller_wants_it(offload: Offloa
 async def test_aclose_waits_for_a_job_whose_caller_left_without_blocking_the_loop() -> None:
     offload = Offload("asyncsync-test")
     gate, owner = Gate(), Owner()
-    task = asyncio.create_task(offload.run(gate.job(), keep=owner.keep, release=owner.release))
-    await asyncio.wait_for(gate.started.wait(), WAIT_S)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await leave_while_running(gate, offload.run(gate.job(), keep=owner.keep, release=owner.release))
     closing = asyncio.create_task(offload.aclose())
     asyncio.get_running_loop().call_soon(gate.go.set)  # only a loop that turns opens the gate
     await asyncio.wait_for(closing, WAIT_S)

@@ -38,7 +38,7 @@ import anyio.lowlevel
 from .._errors import BrokenChannelError, ClosedError, WouldBlock, format_seconds
 from ._framing import EMPTY, HEADER, dumps, frame_header, header_bytes, parse_frame
 
-__all__ = ["DEFAULT_MAX_BUFFER", "FDS_NEED_SOCKET", "FramedPipe", "wait_readable_fd"]
+__all__ = ["DEFAULT_MAX_BUFFER", "FDS_NEED_SOCKET", "FdEnd", "FramedPipe"]
 
 DEFAULT_MAX_BUFFER = 16 * 1024 * 1024
 """Default high-water mark of the write buffer, in bytes."""
@@ -115,7 +115,29 @@ async def wait_readable_fd(fd: int) -> None:
         _restore_flags(fd, flags)
 
 
-class FramedPipe:
+class FdEnd:
+    """What every end of an :class:`~._queues.AsyncQueue` has: a descriptor that turns
+    readable when more arrives, and a closed state."""
+
+    _fd: int
+    _closed: bool
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the queue was closed")
+
+    async def wait_readable(self) -> None:
+        """Until the descriptor is readable (more bytes, or the end); :class:`ClosedError` if closed meanwhile."""
+        try:
+            await wait_readable_fd(self._fd)
+        except anyio.ClosedResourceError:
+            raise ClosedError("the queue was closed") from None
+
+
+class FramedPipe(FdEnd):
     """One end of a ``Connection`` (a pipe or a Unix socket), framed and non-blocking.
 
     One reader at a time (one reader per file descriptor): a task calling
@@ -177,13 +199,6 @@ class FramedPipe:
         """Bytes accepted by ``put``/``send_fds`` but not yet written to the pipe."""
         return self._wbytes
 
-    def fileno(self) -> int:
-        return self._fd
-
-    def check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the queue was closed")
-
     # ------------------------------------------------------------------ reading
 
     def try_get(self, raw: bool) -> Any:
@@ -203,13 +218,6 @@ class FramedPipe:
         if self._eof or self._broken is not None:
             self._raise_broken()
         return EMPTY
-
-    async def wait_readable(self) -> None:
-        """Until the descriptor is readable (more bytes, or the end); :class:`ClosedError` if closed meanwhile."""
-        try:
-            await wait_readable_fd(self._fd)
-        except anyio.ClosedResourceError:
-            raise ClosedError("the queue was closed") from None
 
     def _fill(self) -> int:
         """Read what the kernel holds now (one read); return the byte count, 0 if none or at the end."""
@@ -324,14 +332,8 @@ class FramedPipe:
         return self._sock
 
     def send_fds(self, fds: list[int]) -> None:
-        """Pass file descriptors to the peer (Unix socket pipes only, SCM_RIGHTS).
-
-        They travel in order with the messages: send the message that announces them
-        first, then call ``send_fds``; the peer calls :meth:`recv_fds` (or
-        :meth:`receive_fds`) right after it got that message. The descriptors are
-        duplicated, so the caller may close its own at once. Never raises
-        :class:`WouldBlock`: the high-water mark does not apply here.
-        """
+        """Duplicates of *fds* to the peer, in order with the frames, past the
+        high-water mark (see :meth:`AsyncQueue.send_fds <._queues.AsyncQueue.send_fds>`)."""
         self.check_open()
         self._require_socket()
         if not fds:
@@ -352,12 +354,8 @@ class FramedPipe:
         self._start_flush()
 
     def recv_fds(self, count: int) -> list[int]:
-        """Receive *count* descriptors sent with :meth:`send_fds`, right after the message announcing them.
-
-        The sender writes them right behind that message, so they are normally here
-        already; otherwise this blocks (at most 10 s, then :class:`BrokenChannelError`).
-        In a task prefer :meth:`receive_fds`, which waits in the event loop.
-        """
+        """*count* descriptors from :meth:`send_fds`, right after the frame announcing
+        them; blocks for at most 10 s (see :meth:`AsyncQueue.recv_fds <._queues.AsyncQueue.recv_fds>`)."""
         self.check_open()
         if count == 0:
             return []
@@ -381,10 +379,7 @@ class FramedPipe:
         return self._take_fds(count)
 
     async def receive_fds(self, count: int) -> list[int]:
-        """Like :meth:`recv_fds`, but waits in the event loop; cancel-safe.
-
-        Uses the reader's descriptor wait: call it from the task that reads.
-        """
+        """:meth:`recv_fds`, waiting in the event loop (from the reading task); cancel-safe."""
         await anyio.lowlevel.checkpoint()
         self.check_open()
         if count == 0:

@@ -33,7 +33,7 @@ import anyio.lowlevel
 
 from .._errors import BrokenChannelError, ClosedError, WouldBlock
 from ._framing import EMPTY
-from ._pipe import DEFAULT_MAX_BUFFER, FDS_NEED_SOCKET, FramedPipe, wait_readable_fd
+from ._pipe import DEFAULT_MAX_BUFFER, FDS_NEED_SOCKET, FdEnd, FramedPipe
 
 __all__ = ["AsyncQueue"]
 
@@ -251,7 +251,7 @@ class AsyncQueue(Generic[T]):
         await self._end.aclose()
 
 
-class _QueueEnd:
+class _QueueEnd(FdEnd):
     """A ``multiprocessing.Queue`` behind :class:`FramedPipe`'s calls: it pickles and
     buffers by itself, so raw frames, descriptors and listening are refused."""
 
@@ -260,16 +260,9 @@ class _QueueEnd:
     def __init__(self, q: _MPQueue[Any], max_buffer: int) -> None:
         self._q = q
         self.max_buffer = max_buffer
-        self._fd: int = q._reader.fileno()  # type: ignore[attr-defined]
+        self._fd = q._reader.fileno()  # type: ignore[attr-defined]
         self._closed = False
         self._released = False
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the queue was closed")
 
     def try_get(self, raw: bool) -> Any:
         self.check_open()
@@ -281,12 +274,6 @@ class _QueueEnd:
             return EMPTY
         except (EOFError, OSError) as exc:
             raise BrokenChannelError("the queue's writer is gone") from exc
-
-    async def wait_readable(self) -> None:
-        try:
-            await wait_readable_fd(self._fd)
-        except anyio.ClosedResourceError:
-            raise ClosedError("the queue was closed") from None
 
     def listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
         raise TypeError("listening needs a Connection (a multiprocessing Queue pickles)")
