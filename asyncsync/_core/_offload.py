@@ -15,8 +15,9 @@ a store client connecting or waiting, a process group's rendezvous) runs through
 - **The outcome is always consumed:** an exception raised after the caller left is
   logged at debug level, never reported as "exception was never retrieved".
 - **The loop never waits for the thread:** not for a result, not to queue a job behind
-  one whose caller left. If the loop is closed by the time the work ends, nobody is
-  left to release for and nothing is called.
+  one whose caller left, not to end it (:meth:`Offload.aclose`). The synchronous
+  :meth:`Offload.close`, for teardown outside a coroutine, joins the thread. If the loop
+  is closed by the time the work ends, nobody is left to release for and nothing is called.
 """
 
 from __future__ import annotations
