@@ -157,3 +157,14 @@ def test_a_forbidden_import_is_caught(module: str, source: str) -> None:
 )
 def test_an_allowed_import_passes(module: str, source: str) -> None:
     assert violations(source, module) == []
+
+
+def test_the_queue_facade_sits_on_the_pipe_and_the_pipe_on_the_framing() -> None:
+    """Inside the local I/O layer: ``_framing`` needs no other I/O module, ``_pipe`` only
+    the framing, and neither knows the ``AsyncQueue`` façade above them."""
+    io_imports = {}
+    for name in ("_framing", "_pipe"):
+        module = f"asyncsync._io.{name}"
+        found = imported_modules((PACKAGE / "_io" / f"{name}.py").read_text(), module, False)
+        io_imports[name] = {m for m in found if m.startswith("asyncsync._io.")}
+    assert io_imports == {"_framing": set(), "_pipe": {"asyncsync._io._framing"}}

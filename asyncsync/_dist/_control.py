@@ -22,14 +22,13 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from .._errors import BrokenChannelError, ProtocolError, SyncTimeoutError, format_seconds
+from .._errors import BrokenChannelError, ProtocolError, format_seconds
 from .._wire._auth import HANDSHAKE_LIMIT, auth_mac, mac, new_nonce, resolve_token, welcome_mac
 from .._wire._protocol import HEADER_BYTES, Beat, Message, decode, encode, payload_length
 
-__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "auth_mac", "mac", "new_nonce", "off_loop", "resolve_token", "welcome_mac"]
+__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "auth_mac", "mac", "new_nonce", "resolve_token", "welcome_mac"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -285,48 +284,3 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
-
-
-T = TypeVar("T")
-
-
-async def off_loop(fn: Callable[[], T], timeout: float | None, what: str) -> T:
-    """*fn()* in a daemon thread, awaited for at most *timeout* seconds; the loop never
-    waits for the thread. A blocking call that cannot be interrupted (a store client
-    connecting, a store wait) is left to finish on its own when this times out
-    (:class:`SyncTimeoutError` saying *what* it waited for) or is cancelled; its result
-    is dropped. A failure of *fn* is raised as it is."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-    fut.add_done_callback(_retrieve)
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        result, exc = None, None
-        try:
-            result = fn()
-        except BaseException as e:  # delivered to the loop
-            exc = e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    thread = threading.Thread(target=run, name="asyncsync-blocking-call", daemon=True)
-    thread.start()
-    try:
-        await asyncio.wait({fut}, timeout=timeout)
-    finally:
-        if not fut.done():
-            fut.cancel()  # timed out or cancelled: the thread's result is dropped
-    if fut.cancelled():
-        raise SyncTimeoutError(what, {}, timeout)
-    thread.join()  # it has delivered its result: instant
-    return fut.result()

@@ -490,7 +490,7 @@ class Sender(SenderCore[int, "_Worker"]):
                         w.link.child_conn.close()
                         w.link.child_conn = None
                 self._drop_sentinel(w)
-            self._copier.close()  # at most one copy still running
+            await self._copier.aclose()  # at most one copy still running
             self._pool.close()
 
     def __del__(self) -> None:
