@@ -153,7 +153,12 @@ class Receiver:
         limit = resolve_timeout(timeout, self.timeout)
         # Done once the first instruction is answered: applied, staged (manual mode), or
         # rejected (then the worker keeps its own weights and keeps running; the sender raises).
-        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):
+        # A polled receiver also waits for its mailbox: from then on, polls see every version.
+        def ready() -> bool:
+            answered = self._responded >= 0 or self._pending is not None
+            return (answered and (not self.polled or self._mailbox is not None)) or self._ended()
+
+        if not await self._changed.wait_until(ready, limit):
             raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)
         return self._version
 

@@ -1,0 +1,270 @@
+"""Polled receivers (``init_on_receiver(..., poll=True)``), across real processes.
+
+The sender announces each version in the worker's shared-memory mailbox; the worker commits
+it at ``poll_nowait()``. An empty poll touches no socket (counted by a wrapper around the
+receiver's socket); every version sent with ``send()`` is committed by a poll, in order,
+and the newest wins; a version the worker cannot apply keeps its own weights and reaches
+the sender as a :class:`WorkerError`; a cancelled wait on the sender loses nothing; a
+polled worker that is killed is named at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError, WorkerProcessError, spawn_workers
+from asyncsync._io._queues import AsyncQueue
+from asyncsync._wire._protocol import Mailbox, Poll, decode, encode
+from tests._targets import fill_, make_model
+
+# Spawned workers import torch: on a loaded machine that alone can take most of a minute.
+pytestmark = pytest.mark.timeout(240)
+START_S = 120.0  # the scheme's bound on every wait, connect included
+EMPTY_POLLS = 10_000
+
+
+class _CountingSocket:
+    """Delegates to a socket and counts every call made through it."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._sock, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def _value(model: torch.nn.Module) -> float:
+    values = {v for p in model.parameters() for v in p.detach().flatten().tolist()}
+    return values.pop() if len(values) == 1 else float("nan")
+
+
+async def polled_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, ctrl: Any, kind: str = "mlp") -> dict[str, Any]:
+    """A polled worker driven by commands on *ctrl*; its background poller yields to the
+    loop every 64 polls (so that the loop can read commands and map slots)."""
+    torch.set_num_threads(1)
+    model = make_model(kind)
+    own = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model, poll=True)
+    q: AsyncQueue[Any] = AsyncQueue(ctrl)
+    committed: list[int] = []
+    polling = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def poller() -> None:
+        while not stop.is_set():
+            await polling.wait()
+            for _ in range(64):
+                version = scheme.poll_nowait()
+                if version is not None:
+                    committed.append(version)
+            await asyncio.sleep(0)
+
+    async with scheme:
+        task = asyncio.ensure_future(poller())
+        try:
+            while True:
+                cmd = (await q.get())[0]
+                if cmd == "empty":  # polls with nothing new, none of them touching the socket
+                    receiver = scheme.receiver
+                    queue = receiver._queue
+                    counter = _CountingSocket(queue._sock)
+                    queue._sock = counter  # type: ignore[assignment]
+                    try:
+                        results = {scheme.poll_nowait() for _ in range(EMPTY_POLLS)}
+                    finally:
+                        queue._sock = counter._sock
+                    await q.put((sorted(results, key=repr), counter.calls, scheme.version))
+                elif cmd == "poll":
+                    polling.set()
+                    await q.put("polling")
+                elif cmd == "pause":
+                    polling.clear()
+                    await asyncio.sleep(0)  # the poller ends its round of 64 polls first
+                    await q.put(scheme.version)
+                elif cmd == "report":
+                    same_as_own = all(torch.equal(v, own[k]) for k, v in model.state_dict().items())
+                    stats = scheme.statistics()
+                    await q.put((list(committed), scheme.version, _value(model), same_as_own, stats.rejected))  # type: ignore[union-attr]
+                elif cmd == "exit":
+                    break
+        finally:
+            stop.set()
+            polling.set()
+            await task
+    return {"version": scheme.version}
+
+
+async def _ask(q: AsyncQueue[Any], *cmd: Any) -> Any:
+    await q.put(cmd)
+    return await asyncio.wait_for(q.get(), START_S)
+
+
+class _Ctrl:
+    def __init__(self, n: int) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        pairs = [ctx.Pipe(duplex=True) for _ in range(n)]
+        self.theirs = [b for _, b in pairs]
+        self.ours = [AsyncQueue(a) for a, _ in pairs]
+
+    async def aclose(self) -> None:
+        for q in self.ours:
+            await q.aclose()
+        for c in self.theirs:
+            c.close()
+
+
+def test_the_poll_messages_round_trip() -> None:
+    assert decode(encode(Poll(3))) == Poll(3)
+    assert decode(encode(Mailbox(64))) == Mailbox(64)
+    with pytest.raises(ValueError, match="Mailbox"):
+        encode(Mailbox(0))
+
+
+def test_poll_needs_auto_commit() -> None:
+    scheme = MultiProcessWeightSyncScheme(commit_mode="manual")
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    from asyncsync.testing import loopback_worker
+
+    worker = loopback_worker(scheme, 0)
+    with pytest.raises(ValueError, match="commit_mode='auto'"):
+        worker.init_on_receiver(worker_idx=0, model=make_model(), poll=True)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"commit": "copy"}, {"transfer_dtype": torch.bfloat16}, {"transport": "queue"}],
+    ids=["swap", "copy", "bf16-staged", "queue-transient-slots"],
+)
+async def test_an_empty_poll_touches_no_socket_and_every_version_is_committed_by_a_poll(options: dict[str, Any]) -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S, **options)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    ctrl = _Ctrl(1)
+    try:
+        async with spawn_workers(polled_worker, 1, args=(scheme, ctrl.theirs[0]), scheme=scheme) as workers:
+            async with scheme:
+                q = ctrl.ours[0]
+                results, socket_calls, version = await _ask(q, "empty")
+                assert results == [None] and socket_calls == 0 and version == 0
+                await _ask(q, "poll")
+                sent = []
+                for value in range(1, 21):
+                    fill_(trainer, float(value))
+                    sent.append(await scheme.send())  # returns once a poll committed it
+                # A burst: versions sent while one is in flight are skipped, the newest wins.
+                for value in range(21, 31):
+                    fill_(trainer, float(value))
+                    last = await scheme.send_async()
+                await scheme.wait_async(last)
+                committed, version, value_now, _, rejected = await _ask(q, "report")
+                assert version == last and value_now == 30.0 and rejected == 0
+                assert committed == sorted(set(committed)) and committed[-1] == last
+                assert set(sent) <= set(committed)  # each send() waited for its commit
+                assert scheme.sender.applied_versions() == {0: last}
+                assert scheme.statistics().worker(0).in_flight_version is None
+                await q.put(("exit",))
+            assert await workers.join(START_S) == {0: {"version": last}}
+    finally:
+        await ctrl.aclose()
+
+
+async def test_a_version_the_polled_worker_cannot_apply_keeps_its_weights_and_raises_on_the_sender() -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
+    scheme.init_on_sender(model=trainer, num_workers=2)
+    ctrl = _Ctrl(2)
+    kinds = ["mlp", "wide"]  # worker 1's model does not fit the sent layout
+    try:
+        async with spawn_workers(_kinded_worker, 2, args=(scheme, ctrl.theirs, kinds), scheme=scheme) as workers:
+            with pytest.raises(WorkerError, match="worker 1"):
+                await scheme.connect()  # version 0 is refused by worker 1 (through its task)
+            for q in ctrl.ours:
+                await _ask(q, "poll")
+            fill_(trainer, 5.0)
+            with pytest.raises(WorkerError, match="worker 1") as info:
+                await scheme.send()  # version 1: worker 1 refuses it at a poll
+            assert info.value.worker_idx == 1 and "does not fit" in str(info.value)
+            committed0, version0, value0, _, rejected0 = await _ask(ctrl.ours[0], "report")
+            committed1, version1, _, same_as_own1, rejected1 = await _ask(ctrl.ours[1], "report")
+            assert (committed0, version0, value0, rejected0) == ([1], 1, 5.0, 0)
+            assert (committed1, version1, same_as_own1, rejected1) == ([], -1, True, 2)
+            fill_(trainer, 6.0)
+            version = await scheme.send(worker_ids=[0])  # the good worker goes on
+            assert (await _ask(ctrl.ours[0], "report"))[:3] == ([1, version], version, 6.0)
+            for q in ctrl.ours:
+                await q.put(("exit",))
+            await scheme.aclose()
+            await workers.join(START_S)
+    finally:
+        await ctrl.aclose()
+
+
+async def _kinded_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, ctrls: list[Any], kinds: list[str]) -> dict[str, Any]:
+    return await polled_worker(worker_idx, scheme, ctrls[worker_idx], kinds[worker_idx])
+
+
+async def test_a_cancelled_wait_loses_nothing_and_a_timed_out_one_names_the_polled_worker() -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    ctrl = _Ctrl(1)
+    try:
+        async with spawn_workers(polled_worker, 1, args=(scheme, ctrl.theirs[0]), scheme=scheme) as workers:
+            async with scheme:
+                q = ctrl.ours[0]
+                fill_(trainer, 2.0)
+                version = await scheme.send_async()  # the worker does not poll: nothing commits it
+                waiter = asyncio.ensure_future(scheme.wait_async(version))
+                await asyncio.sleep(0)
+                waiter.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiter
+                with pytest.raises(SyncTimeoutError, match="0"):
+                    await scheme.wait_async(version, timeout=0.05)
+                assert scheme.sender.applied_versions() == {0: 0}
+                await _ask(q, "poll")
+                await scheme.wait_async(version)  # the ack the cancelled waiter missed is not lost
+                assert (await _ask(q, "report"))[:3] == ([version], version, 2.0)
+                await q.put(("exit",))
+            await workers.join(START_S)
+    finally:
+        await ctrl.aclose()
+
+
+async def test_a_killed_polled_worker_is_named() -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    ctrl = _Ctrl(1)
+    try:
+        with pytest.raises(WorkerProcessError, match="worker 0.*-9"):  # the group reports it too
+            async with spawn_workers(polled_worker, 1, args=(scheme, ctrl.theirs[0]), scheme=scheme) as workers:
+                async with scheme:
+                    await _ask(ctrl.ours[0], "poll")
+                    fill_(trainer, 3.0)
+                    await scheme.send()
+                    workers.kill(0)
+                    await scheme.sender.wait_dead(0, timeout=START_S)
+                    fill_(trainer, 4.0)
+                    with pytest.raises(WorkerDiedError, match="worker 0") as info:
+                        await scheme.send()
+                    assert info.value.exitcode == -signal.SIGKILL
+                    assert scheme.statistics().worker(0).state == "dead"
+    finally:
+        await ctrl.aclose()
