@@ -268,3 +268,16 @@ async def test_a_killed_polled_worker_is_named() -> None:
                     assert scheme.statistics().worker(0).state == "dead"
     finally:
         await ctrl.aclose()
+
+
+@pytest.mark.timeout(600)
+def test_the_local_state_machine_drives_a_polled_worker() -> None:
+    from hypothesis import HealthCheck, settings
+
+    from asyncsync import _stateful
+
+    machine = type("PolledMachine", (_stateful.ClusterMachine,), {"transports": ("local",), "always_poll": True})
+    _stateful.ClusterMachine.steps = 0
+    quick = settings(max_examples=12, stateful_step_count=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    _stateful.run_without_leaks(machine, quick)
+    assert _stateful.ClusterMachine.steps >= 12
