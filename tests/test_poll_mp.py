@@ -11,6 +11,7 @@ polled worker that is killed is named at once.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from typing import Any
 
@@ -281,3 +282,19 @@ def test_the_local_state_machine_drives_a_polled_worker() -> None:
     quick = settings(max_examples=12, stateful_step_count=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     _stateful.run_without_leaks(machine, quick)
     assert _stateful.ClusterMachine.steps >= 12
+
+
+@pytest.mark.timeout(300)
+def test_the_polled_env_server_example_runs() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "polled_env_server.py"), "--updates", "5", "--envs", "2"],
+        capture_output=True, text=True, timeout=280, env=env, cwd=root,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "sent 5 versions" in out.stdout and "ends at version 5" in out.stdout, out.stdout
