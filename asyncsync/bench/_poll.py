@@ -32,23 +32,24 @@ POLLS_PER_YIELD = 256
 
 async def poll_worker(worker_idx: int, scheme: Any, n_params: int, n_tensors: int, probe: bool = False, tick: bool = False) -> dict[str, Any]:
     """Poll until stopped; report what :func:`asyncsync.bench._run.bench_worker` reports,
-    plus ``polled``: ``(version, perf_counter after the committing poll)`` per version."""
+    plus ``polled``: ``(version, perf_counter before and after the poll that committed it)``."""
     from asyncsync.bench._run import _param_sums, _peak_rss_mb, _rss_mb
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
     torch.set_num_threads(1)
     model = make_model(n_params, n_tensors, seed=1000 + worker_idx)
     scheme.init_on_receiver(worker_idx=worker_idx, model=model, poll=True)
-    polled: list[tuple[int, float]] = []
+    polled: list[tuple[int, float, float]] = []
     poll = scheme.poll_nowait
     clock = time.perf_counter
     async with scheme:
         receiver = scheme.receiver
         while not receiver.stopped:
             for _ in range(POLLS_PER_YIELD):
+                t0 = clock()
                 version = poll()
                 if version is not None:
-                    polled.append((version, clock()))
+                    polled.append((version, t0, clock()))
             await asyncio.sleep(0)
         await scheme.wait_stopped()
     stats = scheme.statistics()
@@ -87,9 +88,18 @@ def recording_publishes() -> Iterator[dict[int, float]]:
 
 
 def publish_to_commit(published: dict[int, float], workers: list[dict[str, Any]], versions: list[int]) -> dict[str, float]:
-    """Median and p90 (µs) of commit time minus publish time, over the timed *versions*."""
+    """Over the timed *versions*, in µs: ``publish_to_commit_us`` (median; and p90), from
+    the mailbox write to the end of the poll that committed it, split into
+    ``publish_to_poll_us`` (until that poll began: how soon the worker ran and looked)
+    and ``commit_poll_us`` (that poll's own duration: reading, committing, acking)."""
     timed = set(versions)
-    gaps = sorted((t - published[v]) * 1e6 for w in workers for v, t in w.get("polled", ()) if v in timed and v in published)
-    if not gaps:
-        return {"publish_to_commit_us": float("nan"), "publish_to_commit_p90_us": float("nan")}
-    return {"publish_to_commit_us": statistics.median(gaps), "publish_to_commit_p90_us": gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]}
+    rows = [(v, a, b) for w in workers for v, a, b in w.get("polled", ()) if v in timed and v in published]
+    if not rows:
+        return {k: float("nan") for k in ("publish_to_commit_us", "publish_to_commit_p90_us", "publish_to_poll_us", "commit_poll_us")}
+    total = sorted((b - published[v]) * 1e6 for v, _a, b in rows)
+    return {
+        "publish_to_commit_us": statistics.median(total),
+        "publish_to_commit_p90_us": total[min(len(total) - 1, int(0.9 * len(total)))],
+        "publish_to_poll_us": statistics.median((a - published[v]) * 1e6 for v, a, _b in rows),
+        "commit_poll_us": statistics.median((b - a) * 1e6 for _v, a, b in rows),
+    }

@@ -525,7 +525,11 @@ def run_rows(
                         f"others {row.get('other_cpu_pct', '?')}% CPU)"
                     )
                     if "publish_to_commit_us" in row:
-                        say(f"{transport:>14} {spec:>8} x{nw}: publish->commit median {row['publish_to_commit_us']:.1f} us, p90 {row['publish_to_commit_p90_us']:.1f} us")
+                        say(
+                            f"{transport:>14} {spec:>8} x{nw}: publish->commit median {row['publish_to_commit_us']:.1f} us, "
+                            f"p90 {row['publish_to_commit_p90_us']:.1f} us (until the poll began {row['publish_to_poll_us']:.1f} us, "
+                            f"the committing poll {row['commit_poll_us']:.1f} us)"
+                        )
         _add_torchrl_ratios(rows)
         for line in _add_cpu_growth(rows):
             say(line)
@@ -621,7 +625,7 @@ def _latency_row(
         res = _run_loop(transport, run_asyncsync(transport, n_params, n_tensors, workers, repeats, flat=flat))
         row["sender_copy_ms"] = res["last_copy_ms"]
         row["worker_commit_ms"] = max(res["worker_commit_ms"])
-        for key in ("publish_to_commit_us", "publish_to_commit_p90_us"):
+        for key in ("publish_to_commit_us", "publish_to_commit_p90_us", "publish_to_poll_us", "commit_poll_us"):
             if key in res:
                 row[key] = res[key]
     row.update(summarize(res["latencies_ms"]))
