@@ -11,8 +11,10 @@ polled worker that is killed is named at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -147,71 +149,17 @@ def test_poll_needs_auto_commit() -> None:
         worker.init_on_receiver(worker_idx=0, model=make_model(), poll=True)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"commit": "copy"}, {"transfer_dtype": torch.bfloat16}, {"transport": "queue"}],
-    ids=["swap", "copy", "bf16-staged", "queue-transient-slots"],
-)
-async def test_an_empty_poll_touches_no_socket_and_every_version_is_committed_by_a_poll(options: dict[str, Any]) -> None:
+@contextlib.asynccontextmanager
+async def _polled_cluster(kinds: list[str], **options: Any) -> AsyncIterator[tuple[torch.nn.Module, MultiProcessWeightSyncScheme, list[AsyncQueue[Any]], Any]]:
+    """A trainer's scheme and one spawned :func:`polled_worker` per entry of *kinds* (its
+    model), with their command queues; the channels are closed at the end."""
     trainer = make_model()
     scheme = MultiProcessWeightSyncScheme(timeout=START_S, **options)
-    scheme.init_on_sender(model=trainer, num_workers=1)
-    ctrl = _Ctrl(1)
+    scheme.init_on_sender(model=trainer, num_workers=len(kinds))
+    ctrl = _Ctrl(len(kinds))
     try:
-        async with spawn_workers(polled_worker, 1, args=(scheme, ctrl.theirs[0]), scheme=scheme) as workers:
-            async with scheme:
-                q = ctrl.ours[0]
-                results, socket_calls, version = await _ask(q, "empty")
-                assert results == [None] and socket_calls == 0 and version == 0
-                await _ask(q, "poll")
-                sent = []
-                for value in range(1, 21):
-                    fill_(trainer, float(value))
-                    sent.append(await scheme.send())  # returns once a poll committed it
-                # A burst: versions sent while one is in flight are skipped, the newest wins.
-                for value in range(21, 31):
-                    fill_(trainer, float(value))
-                    last = await scheme.send_async()
-                await scheme.wait_async(last)
-                committed, version, value_now, _, rejected = await _ask(q, "report")
-                assert version == last and value_now == 30.0 and rejected == 0
-                assert committed == sorted(set(committed)) and committed[-1] == last
-                assert set(sent) <= set(committed)  # each send() waited for its commit
-                assert scheme.sender.applied_versions() == {0: last}
-                assert scheme.statistics().worker(0).in_flight_version is None
-                await q.put(("exit",))
-            assert await workers.join(START_S) == {0: {"version": last}}
-    finally:
-        await ctrl.aclose()
-
-
-async def test_a_version_the_polled_worker_cannot_apply_keeps_its_weights_and_raises_on_the_sender() -> None:
-    trainer = make_model()
-    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
-    scheme.init_on_sender(model=trainer, num_workers=2)
-    ctrl = _Ctrl(2)
-    kinds = ["mlp", "wide"]  # worker 1's model does not fit the sent layout
-    try:
-        async with spawn_workers(_kinded_worker, 2, args=(scheme, ctrl.theirs, kinds), scheme=scheme) as workers:
-            with pytest.raises(WorkerError, match="worker 1"):
-                await scheme.connect()  # version 0 is refused by worker 1 (through its task)
-            for q in ctrl.ours:
-                await _ask(q, "poll")
-            fill_(trainer, 5.0)
-            with pytest.raises(WorkerError, match="worker 1") as info:
-                await scheme.send()  # version 1: worker 1 refuses it at a poll
-            assert info.value.worker_idx == 1 and "does not fit" in str(info.value)
-            committed0, version0, value0, _, rejected0 = await _ask(ctrl.ours[0], "report")
-            committed1, version1, _, same_as_own1, rejected1 = await _ask(ctrl.ours[1], "report")
-            assert (committed0, version0, value0, rejected0) == ([1], 1, 5.0, 0)
-            assert (committed1, version1, same_as_own1, rejected1) == ([], -1, True, 2)
-            fill_(trainer, 6.0)
-            version = await scheme.send(worker_ids=[0])  # the good worker goes on
-            assert (await _ask(ctrl.ours[0], "report"))[:3] == ([1, version], version, 6.0)
-            for q in ctrl.ours:
-                await q.put(("exit",))
-            await scheme.aclose()
-            await workers.join(START_S)
+        async with spawn_workers(_kinded_worker, len(kinds), args=(scheme, ctrl.theirs, kinds), scheme=scheme) as workers:
+            yield trainer, scheme, ctrl.ours, workers
     finally:
         await ctrl.aclose()
 
@@ -220,55 +168,94 @@ async def _kinded_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, 
     return await polled_worker(worker_idx, scheme, ctrls[worker_idx], kinds[worker_idx])
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"commit": "copy"}, {"transfer_dtype": torch.bfloat16}, {"transport": "queue"}],
+    ids=["swap", "copy", "bf16-staged", "queue-transient-slots"],
+)
+async def test_an_empty_poll_touches_no_socket_and_every_version_is_committed_by_a_poll(options: dict[str, Any]) -> None:
+    async with _polled_cluster(["mlp"], **options) as (trainer, scheme, (q,), workers):
+        async with scheme:
+            results, socket_calls, version = await _ask(q, "empty")
+            assert results == [None] and socket_calls == 0 and version == 0
+            await _ask(q, "poll")
+            sent = []
+            for value in range(1, 21):
+                fill_(trainer, float(value))
+                sent.append(await scheme.send())  # returns once a poll committed it
+            # A burst: versions sent while one is in flight are skipped, the newest wins.
+            for value in range(21, 31):
+                fill_(trainer, float(value))
+                last = await scheme.send_async()
+            await scheme.wait_async(last)
+            committed, version, value_now, _, rejected = await _ask(q, "report")
+            assert version == last and value_now == 30.0 and rejected == 0
+            assert committed == sorted(set(committed)) and committed[-1] == last
+            assert set(sent) <= set(committed)  # each send() waited for its commit
+            assert scheme.sender.applied_versions() == {0: last}
+            assert scheme.statistics().worker(0).in_flight_version is None
+            await q.put(("exit",))
+        assert await workers.join(START_S) == {0: {"version": last}}
+
+
+async def test_a_version_the_polled_worker_cannot_apply_keeps_its_weights_and_raises_on_the_sender() -> None:
+    # worker 1's model does not fit the sent layout
+    async with _polled_cluster(["mlp", "wide"]) as (trainer, scheme, qs, workers):
+        with pytest.raises(WorkerError, match="worker 1"):
+            await scheme.connect()  # version 0 is refused by worker 1 (through its task)
+        for q in qs:
+            await _ask(q, "poll")
+        fill_(trainer, 5.0)
+        with pytest.raises(WorkerError, match="worker 1") as info:
+            await scheme.send()  # version 1: worker 1 refuses it at a poll
+        assert info.value.worker_idx == 1 and "does not fit" in str(info.value)
+        committed0, version0, value0, _, rejected0 = await _ask(qs[0], "report")
+        committed1, version1, _, same_as_own1, rejected1 = await _ask(qs[1], "report")
+        assert (committed0, version0, value0, rejected0) == ([1], 1, 5.0, 0)
+        assert (committed1, version1, same_as_own1, rejected1) == ([], -1, True, 2)
+        fill_(trainer, 6.0)
+        version = await scheme.send(worker_ids=[0])  # the good worker goes on
+        assert (await _ask(qs[0], "report"))[:3] == ([1, version], version, 6.0)
+        for q in qs:
+            await q.put(("exit",))
+        await scheme.aclose()
+        await workers.join(START_S)
+
+
 async def test_a_cancelled_wait_loses_nothing_and_a_timed_out_one_names_the_polled_worker() -> None:
-    trainer = make_model()
-    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
-    scheme.init_on_sender(model=trainer, num_workers=1)
-    ctrl = _Ctrl(1)
-    try:
-        async with spawn_workers(polled_worker, 1, args=(scheme, ctrl.theirs[0]), scheme=scheme) as workers:
-            async with scheme:
-                q = ctrl.ours[0]
-                fill_(trainer, 2.0)
-                version = await scheme.send_async()  # the worker does not poll: nothing commits it
-                waiter = asyncio.ensure_future(scheme.wait_async(version))
-                await asyncio.sleep(0)
-                waiter.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await waiter
-                with pytest.raises(SyncTimeoutError, match="0"):
-                    await scheme.wait_async(version, timeout=0.05)
-                assert scheme.sender.applied_versions() == {0: 0}
-                await _ask(q, "poll")
-                await scheme.wait_async(version)  # the ack the cancelled waiter missed is not lost
-                assert (await _ask(q, "report"))[:3] == ([version], version, 2.0)
-                await q.put(("exit",))
-            await workers.join(START_S)
-    finally:
-        await ctrl.aclose()
+    async with _polled_cluster(["mlp"]) as (trainer, scheme, (q,), workers):
+        async with scheme:
+            fill_(trainer, 2.0)
+            version = await scheme.send_async()  # the worker does not poll: nothing commits it
+            waiter = asyncio.ensure_future(scheme.wait_async(version))
+            await asyncio.sleep(0)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            with pytest.raises(SyncTimeoutError, match="0"):
+                await scheme.wait_async(version, timeout=0.05)
+            assert scheme.sender.applied_versions() == {0: 0}
+            await _ask(q, "poll")
+            await scheme.wait_async(version)  # the ack the cancelled waiter missed is not lost
+            assert (await _ask(q, "report"))[:3] == ([version], version, 2.0)
+            await q.put(("exit",))
+        await workers.join(START_S)
 
 
 async def test_a_killed_polled_worker_is_named() -> None:
-    trainer = make_model()
-    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
-    scheme.init_on_sender(model=trainer, num_workers=1)
-    ctrl = _Ctrl(1)
-    try:
-        with pytest.raises(WorkerProcessError, match="worker 0.*-9"):  # the group reports it too
-            async with spawn_workers(polled_worker, 1, args=(scheme, ctrl.theirs[0]), scheme=scheme) as workers:
-                async with scheme:
-                    await _ask(ctrl.ours[0], "poll")
-                    fill_(trainer, 3.0)
+    with pytest.raises(WorkerProcessError, match="worker 0.*-9"):  # the group reports it too
+        async with _polled_cluster(["mlp"]) as (trainer, scheme, (q,), workers):
+            async with scheme:
+                await _ask(q, "poll")
+                fill_(trainer, 3.0)
+                await scheme.send()
+                workers.kill(0)
+                await scheme.sender.wait_dead(0, timeout=START_S)
+                fill_(trainer, 4.0)
+                with pytest.raises(WorkerDiedError, match="worker 0") as info:
                     await scheme.send()
-                    workers.kill(0)
-                    await scheme.sender.wait_dead(0, timeout=START_S)
-                    fill_(trainer, 4.0)
-                    with pytest.raises(WorkerDiedError, match="worker 0") as info:
-                        await scheme.send()
-                    assert info.value.exitcode == -signal.SIGKILL
-                    assert scheme.statistics().worker(0).state == "dead"
-    finally:
-        await ctrl.aclose()
+                assert info.value.exitcode == -signal.SIGKILL
+                assert scheme.statistics().worker(0).state == "dead"
 
 
 @pytest.mark.timeout(600)

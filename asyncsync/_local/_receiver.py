@@ -133,6 +133,23 @@ class Receiver:
         return self._roles.pending if self._roles is not None else None
 
     @property
+    def on_update(self) -> OnUpdate | None:
+        """Called as ``on_update(weights, version)`` after each commit (may be reassigned)."""
+        return self._committer.on_update
+
+    @on_update.setter
+    def on_update(self, fn: OnUpdate | None) -> None:
+        self._committer.on_update = fn
+
+    @property
+    def context(self) -> Any:
+        return self._committer.context
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._committer.strategy
+
+    @property
     def update_pending(self) -> bool:
         """True when a staged version waits for :meth:`commit` (``commit_mode="manual"``)."""
         return self._pending is not None
@@ -481,15 +498,10 @@ class Receiver:
             await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes, inference=self._committer.inference)
             done = True
         except Exception as exc:  # only private buffers were written: the model is untouched
-            logger.error("worker %d: staging version %d failed", self.worker_idx, msg.version, exc_info=exc)
-            failure = f"staging failed: {type(exc).__name__}: {exc}"
+            failure = self._staging_failed(msg, exc)
         finally:
-            staged = roles.end_staging(done)
-        if staged is None:
-            self._reject(msg, failure)
-            return
-        staged.stage_s = time.perf_counter() - t0
-        self._apply(staged, msg.skipped + skipped)
+            staged = roles.end_staging(done)  # (cancelled: the set is freed, and nothing is said)
+        self._staged(msg, staged, failure, t0, msg.skipped + skipped)
 
     def _stage_now(self, msg: Receive) -> None:
         """:meth:`_on_receive`'s staging without awaiting (a poll): copy the slot into a
@@ -509,15 +521,22 @@ class Receiver:
                 torch.cuda.current_stream(self._device).synchronize()
             done = True
         except Exception as exc:  # only a private set was written: the model is untouched
-            logger.error("worker %d: staging version %d failed", self.worker_idx, msg.version, exc_info=exc)
-            failure = f"staging failed: {type(exc).__name__}: {exc}"
+            failure = self._staging_failed(msg, exc)
         finally:
             staged = roles.end_staging(done)
+        self._staged(msg, staged, failure, t0, msg.skipped)
+
+    def _staging_failed(self, msg: Receive, exc: Exception) -> str:
+        logger.error("worker %d: staging version %d failed", self.worker_idx, msg.version, exc_info=exc)
+        return f"staging failed: {type(exc).__name__}: {exc}"
+
+    def _staged(self, msg: Receive, staged: Weights | None, failure: str, t0: float, skipped: int) -> None:
+        """Staging ended: apply what it staged, or refuse *msg* (the set was freed)."""
         if staged is None:
             self._reject(msg, failure)
             return
         staged.stage_s = time.perf_counter() - t0
-        self._apply(staged, msg.skipped)
+        self._apply(staged, skipped)
 
     def _receive_now(self, msg: Receive, skipped: int) -> bool:
         """Handle *msg* without awaiting if it can be (a refusal, or weights read straight
