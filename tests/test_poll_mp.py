@@ -285,3 +285,14 @@ def test_the_polled_env_server_example_runs() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "sent 5 versions" in out.stdout and "ends at version 5" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_bench_measures_publish_to_commit_for_polled_workers() -> None:
+    from asyncsync.bench._run import run_rows
+
+    (row,) = run_rows(["shm-poll"], ["10k"], [1], 5, echo=False, floors=False, memory=False)
+    assert row["transport"] == "shm-poll" and row["repeats"] == 5
+    # every timed version was committed by a poll, after it was published (causal orders only)
+    assert row["publish_to_poll_us"] <= row["publish_to_commit_us"] <= row["publish_to_commit_p90_us"]
+    assert row["publish_to_commit_us"] > 0 and row["commit_poll_us"] > 0
