@@ -1,4 +1,5 @@
-"""The one commit path of a receiver: swap or copy, the untouched check, the callbacks.
+"""The one commit path of a receiver: binding the model, swap or copy, the untouched
+check, the callbacks.
 
 Both the receiver task and :meth:`Receiver.poll_nowait` commit through
 :meth:`Committer.commit`, which never awaits: a forward pass that does not await in the
@@ -14,16 +15,18 @@ import logging
 import operator
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from .._core._layout import Layout
 from .._core._ownership import BufferRoles, Weights, debug_enabled
-from .._core._strategy import Strategy, as_user_weights
-from .._io._staging import copy_tensors
+from .._core._strategy import Strategy, as_user_weights, bind_targets
+from .._io._staging import copy_tensors, device_problem
 
-__all__ = ["Commit", "Committer", "OnUpdate", "copy_problems"]
+__all__ = ["Binding", "Commit", "Committer", "OnUpdate", "bind_model", "copy_problems"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -180,6 +183,61 @@ class Committer:
             t.cancel()
         if self.callback_tasks:
             await asyncio.wait(list(self.callback_tasks))
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a commit writes: the model's tensors for a layout, on their device."""
+
+    targets: dict[str, torch.Tensor]
+    device: torch.device
+    inference: bool  # the model holds inference tensors (built under inference_mode)
+    reads_slot: bool  # commit straight from a shared slot (no staging)
+    recyclable: bool  # private staging sets may be kept for reuse
+
+
+def bind_model(model: nn.Module, layout: Layout, device: torch.device | None, kind: Commit) -> Binding | str:
+    """Bind *model*'s tensors to *layout* on *device* (default: the model's), moving the
+    model there; or say why its weights cannot be applied (then nothing was written)."""
+    targets, problems = bind_targets(model, layout)
+    if problems:
+        return "payload does not fit the model: " + "; ".join(problems[:16])
+    if device is None:
+        device = next(iter(targets.values())).device if targets else torch.device("cpu")
+    unusable = device_problem(device)
+    if unusable is not None:
+        return f"cannot place the model on {device}: {unusable}"
+    # A model built under torch.inference_mode() holds inference tensors: they are
+    # written only inside inference mode, and only by tensors that are inference tensors
+    # themselves (a plain tensor swapped in leaves a parameter no forward can use).
+    inference = any(t.is_inference() for t in targets.values())
+    try:
+        if any(t.device != device for t in targets.values()):
+            with torch.inference_mode(inference):
+                model.to(device)  # keeps Parameter identity; moves unsent buffers too
+            targets, problems = bind_targets(model, layout)  # ``to()`` replaces buffers
+    except Exception as exc:  # e.g. a CUDA device this process cannot use
+        return f"cannot place the model on {device}: {exc}"
+    if problems:
+        return f"payload does not fit the model on {device}: " + "; ".join(problems[:16])
+    unwritable = copy_problems(targets) if kind == "copy" else []
+    if unwritable:  # refused before anything is written: a copy that fails half way tears the model
+        return (
+            "commit='copy' writes the model's tensors in place, and these cannot hold the sent values: "
+            + "; ".join(unwritable[:8])
+            + ". Give each its own memory (e.g. `.clone()`), or use commit='swap'"
+        )
+    # The slot already holds the model's dtypes on the model's device (CPU): commit
+    # straight from it, by pointer swap (zero copy) or by an in-place copy. Otherwise
+    # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype), and
+    # so does a swap into inference tensors (slot views are not inference tensors).
+    reads_slot = device.type == "cpu" and all(targets[s.key].dtype == s.dtype for s in layout.specs) and not (inference and kind == "swap")
+    # Reading straight from slots, no private set is ever staged into: the model's own
+    # initial tensors are freed at the first swap instead of being kept for reuse.
+    # (Nor can a set holding overlapping memory be staged into: the model's own, with
+    # commit="swap"; then every staging set is a fresh one.)
+    recyclable = not reads_slot and not copy_problems(targets)
+    return Binding(targets, device, inference, reads_slot, recyclable)
 
 
 def copy_problems(targets: dict[str, torch.Tensor]) -> list[str]:

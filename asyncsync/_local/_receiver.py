@@ -26,15 +26,15 @@ from torch import nn
 from .._core._layout import Layout
 from .._core._ownership import BufferRoles, Weights
 from .._core._signal import Signal
-from .._core._strategy import Strategy, bind_targets
+from .._core._strategy import Strategy
 from .._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from .._io._queues import AsyncQueue
 from .._io._shm import Segment
-from .._io._staging import Stager, copy_tensors, device_problem
+from .._io._staging import Stager, copy_tensors
 from .._options import DEFAULT, UseDefault, resolve_timeout
 from .._stats import ReceiverStatistics
 from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Setup, Staged, Stop, decode, encode
-from ._commit import Commit, Committer, OnUpdate, copy_problems
+from ._commit import Commit, Committer, OnUpdate, bind_model
 from ._faults import installed as _installed_faults
 from ._poll import Mailbox as _Mailbox
 from ._slotmap import SlotMap, check_segments
@@ -406,58 +406,16 @@ class Receiver:
         if self.model is None:
             self._layout_error = "the worker has no model to apply weights to"
             return
-        targets, problems = bind_targets(self.model, msg.layout)
-        if problems:
-            self._layout_error = "payload does not fit the model: " + "; ".join(problems[:16])
-            return
         device = self._device_override or (torch.device(msg.device) if msg.device else None)
-        if device is None:
-            device = next(iter(targets.values())).device if targets else torch.device("cpu")
-        unusable = device_problem(device)
-        if unusable is not None:
-            self._layout_error = f"cannot place the model on {device}: {unusable}"
+        bound = bind_model(self.model, msg.layout, device, self.commit_kind)
+        if isinstance(bound, str):
+            self._layout_error = bound
             return
-        # A model built under torch.inference_mode() holds inference tensors: they are
-        # written only inside inference mode, and only by tensors that are inference tensors
-        # themselves (a plain tensor swapped in leaves a parameter no forward can use).
-        inference = any(t.is_inference() for t in targets.values())
-        try:
-            if any(t.device != device for t in targets.values()):
-                with torch.inference_mode(inference):
-                    self.model.to(device)  # keeps Parameter identity; moves unsent buffers too
-                targets, problems = bind_targets(self.model, msg.layout)  # ``to()`` replaces buffers
-        except Exception as exc:  # e.g. a CUDA device this process cannot use
-            self._layout_error = f"cannot place the model on {device}: {exc}"
-            return
-        if problems:
-            self._layout_error = f"payload does not fit the model on {device}: " + "; ".join(problems[:16])
-            return
-        unwritable = copy_problems(targets) if self.commit_kind == "copy" else []
-        if unwritable:  # refused before anything is written: a copy that fails half way tears the model
-            self._layout_error = (
-                "commit='copy' writes the model's tensors in place, and these cannot hold the sent values: "
-                + "; ".join(unwritable[:8])
-                + ". Give each its own memory (e.g. `.clone()`), or use commit='swap'"
-            )
-            return
-        self._device = device
-        self._committer.bind(targets, inference)
-        # The slot already holds the model's dtypes on the model's device (CPU): commit
-        # straight from it, by pointer swap (zero copy) or by an in-place copy. Otherwise
-        # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype), and
-        # so does a swap into inference tensors (slot views are not inference tensors).
-        self._reads_slot = (
-            device.type == "cpu"
-            and all(targets[s.key].dtype == s.dtype for s in msg.layout.specs)
-            and not (inference and self.commit_kind == "swap")
-        )
-        # Reading straight from slots, no private set is ever staged into: the model's own
-        # initial tensors are freed at the first swap instead of being kept for reuse.
-        # (Nor can a set holding overlapping memory be staged into: the model's own, with
-        # commit="swap"; then every staging set is a fresh one.)
-        live = Weights(self._version, {k: t.data for k, t in targets.items()})
-        recyclable = not self._reads_slot and not copy_problems(targets)
-        self._roles = BufferRoles(live, self._allocate_set, keep_free=recyclable)
+        self._device = bound.device
+        self._committer.bind(bound.targets, bound.inference)
+        self._reads_slot = bound.reads_slot
+        live = Weights(self._version, {k: t.data for k, t in bound.targets.items()})
+        self._roles = BufferRoles(live, self._allocate_set, keep_free=bound.recyclable)
 
     def _allocate_set(self) -> dict[str, torch.Tensor]:
         """A private set of device buffers shaped like the model (inference tensors where
