@@ -181,6 +181,10 @@ class Sender(SenderCore[int, "_Worker"]):
         if link is not None and not link.lost and (link.pid is not None or link.child_conn is None):
             pid = f" (pid {link.pid})" if link.pid is not None else ""
             return f"worker {idx} is already connected{pid}; only one process can be worker {idx} at a time"
+        process = w.process
+        if link is not None and not link.lost and process is not None and getattr(process, "exitcode", None) is None:
+            # a child started with this worker's channel end that has not said hello yet
+            return f"worker {idx} is a process the trainer started (pid {process.pid}) and that is still starting"
         return None
 
     def adopt_link(self, idx: int, conn: Connection) -> None:
