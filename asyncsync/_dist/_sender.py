@@ -327,7 +327,7 @@ class DistSender(SenderCore[WorkerId, _RemoteWorker]):
             if self._group is not None:
                 self._group.close()
                 self._group = None
-            self._copier.close()
+            await self._copier.aclose()
             self._bufs = []
             self._store = None
             for w in self._workers.values():
