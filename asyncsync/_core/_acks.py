@@ -2,9 +2,9 @@
 
 Both senders keep one :class:`WorkerRecord` per worker id (an int locally, ``(host,
 local index)`` across hosts) and report into an :class:`AckTracker`: what was sent, each
-answer, a loss (died, left, host lost), a new connection. Waits only look at that state
-and wake on the sender's :class:`~.._signal.Signal`, so a cancelled wait never loses an
-ack, and every rule about what satisfies a wait lives here once:
+answer, a loss (died, left, host lost), a new connection. Waits only look at that state,
+so a cancelled wait never loses an ack, and every rule about what satisfies a wait lives
+here once:
 
 - only a ``connected`` worker's answers count, and only those of its current connection;
 - a worker that is gone (``dead``, ``left``) fails a wait (``on_worker_error="raise"``)
@@ -15,10 +15,17 @@ ack, and every rule about what satisfies a wait lives here once:
 A departed connection's last applied version, error and timings stay visible (in
 ``applied_versions()`` and the statistics, with the worker's state) until a new
 connection of that worker id starts; they never satisfy a wait.
+
+A wait for versions (``send``, ``wait_async``) is woken by the reports themselves, and only
+when its outcome may have changed: an ack that completes it, or any other change (a
+rejection, a loss, a connection, the sender closing). Acks that leave it short are counted,
+not woken for, so a send to *n* workers wakes its waiter once, not *n* times. The other
+waits wake on the sender's :class:`~.._signal.Signal`, notified at every report.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -67,6 +74,30 @@ class WorkerRecord:
         self.exitcode = None
 
 
+class _Watch:
+    """One version wait's wake-up: the reports count the acks that complete its workers
+    (*versions*: worker id -> version wanted) and wake it once *missing* have come, or at
+    any other change."""
+
+    __slots__ = ("versions", "missing", "hits", "fut", "expired")
+
+    def __init__(self, versions: dict[Any, int]) -> None:
+        self.versions = versions
+        self.missing = 1
+        self.hits = 0
+        self.fut: asyncio.Future[None] | None = None
+        self.expired = False
+
+    def wake(self) -> None:
+        fut = self.fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def expire(self) -> None:
+        self.expired = True
+        self.wake()
+
+
 class AckTracker(Generic[W, R]):
     """The delivery state of a sender's workers; see the module docstring.
 
@@ -87,6 +118,14 @@ class AckTracker(Generic[W, R]):
         self._phase = phase
         # Which of the given workers never said hello (a timeout names them with the likely fix).
         self._never_connected = never_connected or (lambda wids: {})
+        self._watches: list[_Watch] = []  # the version waits in progress
+
+    def notify(self) -> None:
+        """Something a wait looks at changed (a report here, or the sender's phase): every
+        wait re-checks."""
+        for watch in self._watches:
+            watch.wake()
+        self._changed.notify()
 
     def __getitem__(self, wid: W) -> R:
         return self.records[wid]
@@ -103,12 +142,15 @@ class AckTracker(Generic[W, R]):
         rec._new_connection()
         rec.state = "waiting"
         rec.generation = generation
-        self._changed.notify()
+        self.notify()
 
     def connected(self, wid: W, pid: int | None = None, generation: int | None = None) -> None:
         """*wid*'s connection (*generation*, if the transport numbers them) is up; a worker
         that was gone is on a new connection."""
         rec = self.records[wid]
+        if rec.state == "connected" and (generation is None or generation == rec.generation) and pid in (None, rec.pid):
+            self._changed.notify()  # nothing a version wait looks at changed (a transport's "still here")
+            return
         if rec.state in ("waiting", *GONE):
             if rec.state in GONE:
                 rec._new_connection()
@@ -117,20 +159,32 @@ class AckTracker(Generic[W, R]):
             rec.generation = generation
         if pid is not None:
             rec.pid = pid
-        self._changed.notify()
+        self.notify()
 
     def ack(self, wid: W, version: int, ok: bool, error: str | None, stage_s: float, commit_s: float) -> None:
         """*wid*'s current connection applied (*ok*) or rejected *version*."""
         rec = self.records[wid]
-        rec.responded = max(rec.responded, version)
+        if version > rec.responded:
+            rec.responded = version
         if ok:
-            rec.applied = max(rec.applied, version)
+            before = rec.applied
+            if version > before:
+                rec.applied = version
             rec.last_error = None
             rec.stage_s, rec.commit_s = stage_s, commit_s
+            if rec.state == "connected":
+                for watch in self._watches:  # count, and wake only the waits this completes
+                    v = watch.versions.get(wid)
+                    if v is not None and before < v <= version:
+                        watch.hits += 1
+                        if watch.hits >= watch.missing:
+                            watch.wake()
+            self._changed.notify()
         else:
-            rec.rejected = max(rec.rejected, version)
+            if version > rec.rejected:
+                rec.rejected = version
             rec.last_error = error
-        self._changed.notify()
+            self.notify()
 
     def lost(self, wid: W, state: str, death: WorkerDiedError, exitcode: int | None = None) -> None:
         """*wid*'s connection ended: ``"dead"`` or ``"left"``, with the error that says so.
@@ -141,14 +195,14 @@ class AckTracker(Generic[W, R]):
         rec.death_generation = rec.generation
         if exitcode is not None:
             rec.exitcode = exitcode
-        self._changed.notify()
+        self.notify()
 
     def stopped(self, wid: W) -> None:
         """The sender closed while *wid* was connected."""
         rec = self.records[wid]
         if rec.state == "connected":
             rec.state = "stopped"
-        self._changed.notify()
+        self.notify()
 
     # ----------------------------------------------------------------- queries
 
@@ -163,14 +217,15 @@ class AckTracker(Generic[W, R]):
             if rec.state in GONE and rec.death is not None:
                 raise rec.death
 
-    def settled(self, wanted: Mapping[W, int], need: int, quorum: bool, skip_gone: bool) -> bool:
-        """True once *need* workers applied their wanted version; raise if that cannot happen.
-        With *skip_gone* (``on_worker_error="skip"``), a worker that is gone counts as done,
+    @staticmethod
+    def missing(wanted: Sequence[tuple[W, R, int]], need: int, quorum: bool, skip_gone: bool) -> int:
+        """How many more of *wanted* (``(worker id, record, version)``) must apply their
+        version before *need* have (0: settled); raise if that cannot happen. With
+        *skip_gone* (``on_worker_error="skip"``), a worker that is gone counts as done,
         except for a *quorum*."""
         done = open_ = 0
         failure: BaseException | None = None
-        for wid, v in wanted.items():
-            rec = self.records[wid]
+        for wid, rec, v in wanted:
             if rec.state == "connected" and rec.applied >= v:
                 done += 1
             elif rec.state == "connected" and rec.responded >= v:
@@ -186,10 +241,10 @@ class AckTracker(Generic[W, R]):
             else:
                 open_ += 1
         if done >= need:
-            return True
+            return 0
         if failure is not None and (not quorum or done + open_ < need):
             raise failure
-        return False
+        return need - done
 
     async def wait(
         self,
@@ -208,32 +263,57 @@ class AckTracker(Generic[W, R]):
         A timeout error names *reported_timeout* (default: *timeout*): the whole call's
         bound, when this wait is its last part.
 
-        *newest* is the sender's newest version; *skip_gone* as for :meth:`settled`. Only targets that were sent *version*
-        (or a newer one) are waited for.
+        *newest* is the sender's newest version; *skip_gone* as for :meth:`missing`. Only
+        targets that were sent *version* (or a newer one) are waited for.
         """
-        if self._phase() == "closed":
+        phase = self._phase
+        if phase() == "closed":
             raise ClosedError("the sender is closed")
         if version is not None and version > newest:
             raise ValueError(f"version {version} was not sent yet (the newest is {newest})")
-        sent = {wid: self.records[wid].sent for wid in targets}
-        wanted = {wid: (sent[wid] if version is None else version) for wid in targets}
-        wanted = {wid: v for wid, v in wanted.items() if v >= 0 and sent[wid] >= v}
+        records = self.records
+        wanted: list[tuple[W, R, int]] = []
+        for wid in targets:
+            rec = records[wid]
+            v = rec.sent if version is None else version
+            if v >= 0 and rec.sent >= v:
+                wanted.append((wid, rec, v))
         need = len(wanted) if quorum is None else quorum
         if need > len(wanted):
             raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
-
-        def settled() -> bool:
-            if self.settled(wanted, need, quorum is not None, skip_gone):
-                return True
-            if self._phase() == "closed":
-                raise ClosedError("the sender was closed while waiting")
-            return False
-
-        if not await self._changed.wait_until(settled, timeout):
-            pending = {wid: self.records[wid].applied for wid, v in wanted.items() if not self._counts(wid, v)}
-            what = what or ("wait_async" if version is None else f"wait for version {version}")
-            reported = timeout if isinstance(reported_timeout, UseDefault) else reported_timeout
-            raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(list(pending)))  # type: ignore[arg-type]
+        has_quorum = quorum is not None
+        left = self.missing(wanted, need, has_quorum, skip_gone)
+        if not left:
+            return  # the common case of a wait_async after the acks: no future, no timer
+        loop = asyncio.get_running_loop()
+        watch = _Watch({wid: v for wid, _rec, v in wanted})
+        timer = None
+        if timeout is not None:
+            if timeout <= 0:
+                watch.expired = True
+            else:
+                timer = loop.call_later(timeout, watch.expire)
+        self._watches.append(watch)
+        try:
+            while True:
+                if phase() == "closed":
+                    raise ClosedError("the sender was closed while waiting")
+                if watch.expired:
+                    break
+                watch.missing, watch.hits = left, 0
+                watch.fut = loop.create_future()
+                await watch.fut
+                left = self.missing(wanted, need, has_quorum, skip_gone)
+                if not left:
+                    return
+        finally:
+            self._watches.remove(watch)
+            if timer is not None:
+                timer.cancel()
+        pending = {wid: rec.applied for wid, rec, v in wanted if not self._counts(wid, v)}
+        what = what or ("wait_async" if version is None else f"wait for version {version}")
+        reported = timeout if isinstance(reported_timeout, UseDefault) else reported_timeout
+        raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(list(pending)))  # type: ignore[arg-type]
 
     def _counts(self, wid: W, version: int) -> bool:
         rec = self.records[wid]

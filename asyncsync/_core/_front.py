@@ -9,14 +9,13 @@ A sender subclasses :class:`SenderCore`, builds its per-worker records, and prov
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError
-from .._options import DEFAULT, Timeout, UseDefault, resolve_timeout
+from .._options import DEFAULT, Timeout, UseDefault
 from ._acks import AckTracker, WorkerRecord
 from ._deadline import Deadline, locked_within
 from ._layout import Layout
@@ -24,13 +23,39 @@ from ._offload import Offload
 from ._signal import Signal
 from ._source import SourceReader
 
-__all__ = ["SenderCore"]
+__all__ = ["SenderCore", "Targets"]
 
 logger = logging.getLogger("asyncsync")
 
 W = TypeVar("W", bound=Hashable)
 R = TypeVar("R", bound=WorkerRecord)
 P = TypeVar("P")
+
+
+class Targets(list):  # type: ignore[type-arg]
+    """``worker_ids`` already parsed (known, distinct, in order): a send passes it on to
+    its wait without parsing it again."""
+
+    __slots__ = ()
+
+
+class _SendTurn:
+    """``async with`` form of :meth:`SenderCore._send_turn` (cheaper than a generator-based one)."""
+
+    __slots__ = ("core", "deadline")
+
+    def __init__(self, core: SenderCore[Any, Any], deadline: Deadline) -> None:
+        self.core = core
+        self.deadline = deadline
+
+    async def __aenter__(self) -> Deadline:
+        await self.core._send_turn(self.deadline)
+        return self.deadline
+
+    async def __aexit__(self, *exc: object) -> None:
+        lock = self.core._send_lock
+        assert lock is not None
+        lock.release()
 
 
 class SenderCore(Generic[W, R]):
@@ -99,9 +124,12 @@ class SenderCore(Generic[W, R]):
 
     def _parse_targets(self, worker_ids: Any, one: Callable[[Any], bool], kind: str) -> list[W]:
         """``None`` (every worker), one id (*one(worker_ids)*) or an iterable of ids, each
-        *kind* (``"an int"``) and known; distinct, in order."""
+        *kind* (``"an int"``) and known; distinct, in order. :class:`Targets` (parsed
+        before) are returned as they are."""
         if worker_ids is None:
-            return list(self._acks.records)
+            return Targets(self._acks.records)
+        if worker_ids.__class__ is Targets:
+            return worker_ids  # type: ignore[no-any-return]
         ids = [worker_ids] if one(worker_ids) else list(worker_ids)
         for wid in ids:
             if not one(wid):
@@ -109,7 +137,7 @@ class SenderCore(Generic[W, R]):
             self._record(wid)
         if not ids:
             raise ValueError("worker_ids is empty")
-        return list(dict.fromkeys(ids))
+        return Targets(dict.fromkeys(ids))
 
     def _record(self, wid: W) -> R:
         try:
@@ -120,8 +148,20 @@ class SenderCore(Generic[W, R]):
     def send_async(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> Awaitable[int]:
         raise NotImplementedError
 
-    def _limit(self, timeout: Timeout) -> float | None:
-        return resolve_timeout(timeout, self.timeout)
+    def _limit(self, timeout: Timeout | Deadline) -> float | None:
+        """Seconds for *timeout* (the sender's own where it is :data:`DEFAULT`; what is
+        left of a :class:`Deadline`)."""
+        if timeout is DEFAULT or timeout is ...:  # type: ignore[comparison-overlap]
+            return self.timeout
+        if timeout.__class__ is Deadline:
+            return timeout.remaining()  # type: ignore[union-attr]
+        return timeout  # type: ignore[return-value]
+
+    def _deadline(self, timeout: Timeout | Deadline) -> Deadline:
+        """*timeout* as a :class:`Deadline` (one given is passed on, so a whole call keeps one)."""
+        if timeout.__class__ is Deadline:
+            return timeout  # type: ignore[return-value]
+        return Deadline(self._limit(timeout))
 
     def _check_running(self) -> None:
         if self._state == "new":
@@ -133,9 +173,9 @@ class SenderCore(Generic[W, R]):
         """Start, send the initial weights (once), wait for every worker's ack of version 0."""
         await self._open()
         t0 = time.monotonic()
-        deadline = Deadline(self._limit(timeout))
+        deadline = self._deadline(timeout)
         if self._version < 0:
-            await self.send_async(weights, timeout=deadline.remaining())
+            await self.send_async(weights, timeout=deadline)
         await self._wait(0, None, None, deadline.remaining(), "connect", reported_timeout=deadline.timeout)
         n = len(self._acks.records)
         logger.info("asyncsync: connected: %d/%d workers at version 0 in %.1f s", n, n, time.monotonic() - t0)
@@ -143,11 +183,11 @@ class SenderCore(Generic[W, R]):
 
     async def _send(self, weights: Any, worker_ids: Any, partial: bool, timeout: Timeout) -> int:
         """``send_async`` and, with ``sync``, the wait for its acks, within one deadline."""
-        targets = self._targets(worker_ids)
-        deadline = Deadline(self._limit(timeout))
-        version = await self.send_async(weights, targets, partial=partial, timeout=deadline.remaining())
+        targets = self._targets(worker_ids)  # parsed once: the send and its wait pass it on
+        deadline = self._deadline(timeout)
+        version = await self.send_async(weights, targets, partial=partial, timeout=deadline)  # type: ignore[arg-type]
         if self.sync:
-            await self._wait(version, targets, None, deadline.remaining(), f"send of version {version}", reported_timeout=deadline.timeout)
+            await self._wait(version, targets, None, deadline, f"send of version {version}", reported_timeout=deadline.timeout)
         return version
 
     def _before_send(self, targets: Sequence[W]) -> None:
@@ -156,25 +196,27 @@ class SenderCore(Generic[W, R]):
         if self.on_worker_error == "raise":
             self._acks.refuse_gone(targets)
 
-    @contextlib.asynccontextmanager
-    async def _sending(self, timeout: Timeout) -> AsyncIterator[Deadline]:
-        """One send at a time: the send lock, taken within *timeout*; yields the deadline
-        left for the rest of the send."""
-        deadline = Deadline(self._limit(timeout))
+    async def _send_turn(self, deadline: Deadline) -> None:
+        """One send at a time: take the send lock before *deadline* (release it in a
+        ``finally``); on the hot path (nobody else sending) no wait, no timer."""
         lock = self._send_lock
         assert lock is not None
-        await locked_within(lock, deadline, "waiting for another send's snapshot")
-        try:
-            yield deadline
-        finally:
-            lock.release()
+        if lock.locked():
+            await locked_within(lock, deadline, "waiting for another send's snapshot")
+        else:
+            await lock.acquire()
+
+    def _sending(self, timeout: Timeout | Deadline) -> _SendTurn:
+        """``async with self._sending(timeout) as deadline``: :meth:`_send_turn` within
+        *timeout*, released at the end; *deadline* is what is left for the rest of the send."""
+        return _SendTurn(self, self._deadline(timeout))
 
     async def _wait(
         self,
         version: int | None,
         worker_ids: Any,
         quorum: int | None,
-        timeout: Timeout,
+        timeout: Timeout | Deadline,
         what: str | None,
         reported_timeout: float | None | UseDefault = DEFAULT,
     ) -> None:
@@ -196,7 +238,7 @@ class SenderCore(Generic[W, R]):
         to *timeout* until none is left; then the sender is closed."""
         was_running = self._state == "running" and stop
         self._state = "closing"
-        self._changed.notify()
+        self._acks.notify()
         if was_running:
             for peer in peers():
                 try:
@@ -205,4 +247,4 @@ class SenderCore(Generic[W, R]):
                     pass
             await self._changed.wait_until(lambda: not peers(), timeout)
         self._state = "closed"
-        self._changed.notify()
+        self._acks.notify()

@@ -31,6 +31,7 @@ class Slot:
         self.transient = transient  # freed (and unmapped by workers) once nobody holds it
         self.segment = Segment(nbytes)
         self.views: dict[str, torch.Tensor] | None = None
+        self.buffer: torch.Tensor | None = None  # the whole slot as uint8 (made once)
         self.copying = False  # a cancelled send's copy thread still writes it
         self.writer: asyncio.Future[None] | None = None  # an abandoned network receive still writes it, until done
 
@@ -46,7 +47,7 @@ class Slot:
             # (never, if this process ends first: the kernel frees the mapping then).
             writer.add_done_callback(lambda _f: self.close())
             return
-        self.views = None
+        self.views = self.buffer = None
         self.segment.close(unmap=True)
 
 
@@ -88,7 +89,9 @@ class SlotPool:
 
     def views_buffer(self, slot: Slot) -> torch.Tensor:
         """The whole slot as one uint8 tensor of ``layout.nbytes`` (it views the shared memory)."""
-        return slot.segment.buf[: self.layout.nbytes]
+        if slot.buffer is None:
+            slot.buffer = slot.segment.buf[: self.layout.nbytes]
+        return slot.buffer
 
     def acquire(self) -> Slot | None:
         """Reserve a slot nobody holds (allocating one if allowed), or None: wait for releases."""

@@ -27,7 +27,7 @@ import torch
 
 from .._core._acks import WorkerRecord
 from .._core._deadline import Deadline
-from .._core._front import SenderCore
+from .._core._front import SenderCore, Targets
 from .._core._layout import Layout
 from .._core._offload import THREAD_COPY_BYTES
 from .._core._ownership import Ref, SlotLedger
@@ -416,7 +416,9 @@ class Sender(SenderCore[int, "_Worker"]):
         targets = self._targets(worker_ids)
         self._before_send(targets)
         groups = self._group(weights, targets, partial)
-        async with self._sending(timeout) as deadline:
+        deadline = self._deadline(timeout)
+        await self._send_turn(deadline)
+        try:
             self._check_running()
             plan = self._split_partial(groups)
             written: list[tuple[Slot, list[int]]] = []
@@ -432,6 +434,8 @@ class Sender(SenderCore[int, "_Worker"]):
             version = self._version
             self._sends += 1
             self._publish(written, version)
+        finally:
+            self._send_lock.release()  # type: ignore[union-attr]
         return version
 
     async def wait_async(
@@ -521,6 +525,8 @@ class Sender(SenderCore[int, "_Worker"]):
         return self._record(idx)
 
     def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
+        if worker_ids.__class__ is Targets:
+            return worker_ids  # type: ignore[return-value]
         if isinstance(worker_ids, bool):
             raise TypeError("worker_ids must be an int, a list of ints or None")
         return self._parse_targets(worker_ids, _is_index, "an int")
@@ -616,17 +622,18 @@ class Sender(SenderCore[int, "_Worker"]):
 
     def _pump(self, w: _Worker) -> None:
         """Send the worker its newest version if nothing is in flight (latest wins)."""
-        if w.state != "connected" or w.link is None:
-            return
+        link = w.link
+        if w.state != "connected" or link is None or link.delivered_sends == w.sends:
+            return  # (the last: nothing was published to it since its last delivery)
         ref = self._ledger.next_delivery(w.idx)
         if ref is not None:
-            skipped = max(w.sends - w.link.delivered_sends - 1, 0)
-            w.link.delivered_sends = w.sends
-            self._deliver(w.link, ref, skipped)
+            skipped = max(w.sends - link.delivered_sends - 1, 0)
+            link.delivered_sends = w.sends
+            self._deliver(link, ref, skipped)
 
     def _deliver(self, link: _Link, ref: Ref, skipped: int) -> None:
         assert ref.slot is not None
-        slot = self._pool.get(ref.slot)
+        slot = self._pool.slots[ref.slot]
         try:
             if slot.transient or slot.id not in link.mapped:
                 self._map_slots(link, [slot])
@@ -635,7 +642,7 @@ class Sender(SenderCore[int, "_Worker"]):
                 # (The slot's bytes are complete: the send's copy finished before publishing.)
                 link.mailbox.publish(ref.version, slot.id, skipped)
             else:
-                link.queue.put_bytes_nowait(encode(Receive(ref.version, slot.id, skipped)))
+                link.queue.put_bytes_nowait(_receive_frame(ref.version, slot.id, skipped))
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the channel's end is noticed by its reader callback, which reports it
 
@@ -743,8 +750,10 @@ class Sender(SenderCore[int, "_Worker"]):
                 self.on_ack(w.idx, ack)
             except Exception:  # the hook's failure is not the worker's: it stays connected
                 logger.exception("worker %d: the on_ack hook failed", w.idx)
-        self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)
-        self._after_answer(w)
+        self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)  # (it notifies)
+        self._pump(w)
+        if not self._pool.reuse:
+            self._release_unused()
 
     def _after_answer(self, w: _Worker) -> None:
         self._pump(w)
@@ -811,6 +820,12 @@ class Sender(SenderCore[int, "_Worker"]):
             self._start_tasks(w, new, asyncio.get_running_loop())
         self._release_unused()
         self._changed.notify()
+
+
+@functools.lru_cache(maxsize=16)
+def _receive_frame(version: int, slot: int, skipped: int) -> bytes:
+    """The ``Receive`` frame: encoded once per send, for every worker it goes to."""
+    return encode(Receive(version, slot, skipped))
 
 
 def _is_index(i: object) -> bool:
