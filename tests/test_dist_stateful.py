@@ -11,10 +11,13 @@ newest version first. Real kills (SIGKILL) are in tests/test_dist_faults_mp.py."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, settings
 
-from asyncsync._stateful import run_machine
+from asyncsync import SyncTimeoutError
+from asyncsync._stateful import SETTLE, ClusterMachine, run_machine
 
 
 def _settings(examples: int, steps: int) -> settings:
@@ -31,3 +34,50 @@ def test_dist_random_interleavings_short() -> None:
 @pytest.mark.timeout(900)
 def test_dist_random_interleavings() -> None:
     assert run_machine(_settings(100, 20), ("hosts",)) >= 500
+
+
+class _Hosts(ClusterMachine):
+    transports = ("hosts",)
+
+
+def run_steps(*steps: tuple[str, dict[str, Any]]) -> _Hosts:
+    """Run the machine's rules *steps* in order on the multi-host transport (one worker per
+    host, automatic commits), checking the invariants after each, then its teardown (which
+    converges every living worker to a last version)."""
+    m = _Hosts()
+    try:
+        m.setup(transport="hosts", manual=False, cast=False, commit="swap", n=1)
+        for name, kwargs in steps:
+            getattr(m, name)(**kwargs)
+            m.every_worker_runs_exactly_a_version_sent_to_it()
+            m.slots_within_bound()
+    finally:
+        m.teardown()
+    return m
+
+
+@pytest.mark.timeout(240)
+def test_a_host_rejoins_while_another_host_is_stalled() -> None:
+    """Found by the slow run: host 2 stalls, host 1's relay dies and a new one joins. The new
+    group needs host 2, so the rejoin is held up until host 2 resumes, and then completes
+    (the machine used to keep host 2 stalled for the whole rejoin, which then timed out)."""
+    run_steps(("make_host_busy", dict(i=1, busy=True)), ("crash", dict(i=0, graceful=False)), ("rejoin", dict(i=0)))
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_host_lands_nothing_until_it_resumes() -> None:
+    """A stall starts with the next operation the relay takes (its ops task may already be
+    parked waiting for one): a send to the stalled host times out, and lands once it resumes."""
+    m = _Hosts()
+    try:
+        m.setup(transport="hosts", manual=False, cast=False, commit="swap", n=1)
+        m.make_host_busy(i=1, busy=True)
+        c = m.cluster
+        with pytest.raises(SyncTimeoutError):
+            m.run(c.send(None, [(2, 0)], partial=False, timeout=1.0, sync=True), 1.0)
+        assert c.workers[(2, 0)].scheme.version == 0
+        m.make_host_busy(i=1, busy=False)
+        m.run(c.wait([(2, 0)], None, SETTLE), SETTLE)
+        assert c.workers[(2, 0)].scheme.version == 1
+    finally:
+        m.teardown()
