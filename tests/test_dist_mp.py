@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 import torch
+from anyio import wait_all_tasks_blocked
 
 from asyncsync import AuthenticationError, DistributedWeightSyncScheme, WeightsError
 from asyncsync._dist._control import auth_mac
@@ -179,7 +180,7 @@ async def test_garbage_and_truncated_frames_close_the_connection(dc: DistCluster
             if b"\x00" * 10 in frame:
                 writer.write_eof()
             assert await _closed(reader)
-            await asyncio.sleep(0)  # let the server log
+            await wait_all_tasks_blocked()  # the server's handler is done (it logs, then closes)
         assert any("closed control connection from 127.0.0.1" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         writer.close()
@@ -195,7 +196,7 @@ async def test_wrong_token_is_refused_by_the_trainer(dc: DistCluster, caplog: py
         with caplog.at_level(logging.WARNING, logger="asyncsync"):
             writer.write(encode(Auth(2, 1, 1, b"\x02" * 32, auth_mac(b"not-the-token", challenge.nonce, 2, 1))))
             assert await _closed(reader)
-            await asyncio.sleep(0)
+            await wait_all_tasks_blocked()
         assert any("wrong token" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         writer.close()

@@ -11,13 +11,17 @@ newest version first. Real kills (SIGKILL) are in tests/test_dist_faults_mp.py."
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from torch import nn
 
 from asyncsync import SyncTimeoutError
 from asyncsync._stateful import SETTLE, ClusterMachine, run_machine
+from asyncsync.testing import open_loopback_hosts
 
 
 def _settings(examples: int, steps: int) -> settings:
@@ -81,3 +85,20 @@ def test_a_stalled_host_lands_nothing_until_it_resumes() -> None:
         assert c.workers[(2, 0)].scheme.version == 1
     finally:
         m.teardown()
+
+
+async def test_a_version_replaced_before_its_transfer_started_is_dropped_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the slow run: the trainer starts a transfer of version v to a host, and a
+    newer send replaces v for the same workers before that transfer's first step (latest
+    wins). The transfer goes away without an error (it used to log a KeyError), and the
+    newer version arrives. Every loop turn between the two sends is tried."""
+    async with open_loopback_hosts(nn.Linear(3, 2), lambda: nn.Linear(3, 2), hosts={1: 1}, timeout=20) as lh:
+        with caplog.at_level(logging.ERROR, logger="asyncsync"):
+            for turns in range(4):
+                await lh.trainer.send_async()
+                for _ in range(turns):  # the point between the two sends
+                    await asyncio.sleep(0)
+                await lh.trainer.send_async()
+            v = await lh.trainer.send()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+        assert lh.workers[1, 0].version == v
