@@ -45,7 +45,7 @@ from torch import nn
 
 from ._core._ownership import set_debug, slot_bound
 from ._dist._scheme import DistributedWeightSyncScheme
-from ._errors import HostLostError, SyncTimeoutError, WorkerDiedError
+from ._errors import HostLostError, SenderDiedError, SyncTimeoutError, WorkerDiedError
 from ._local._loopback import loopback_worker
 from ._local._scheme import MultiProcessWeightSyncScheme
 
@@ -410,9 +410,17 @@ class HostsCluster:
                 _check_slots(relay.local, self.manual)
 
     async def stop_trainer(self) -> None:
+        before = {h: self.trainer.statistics().host(h) for h in self.relays}
         await self.trainer.aclose()
         for h, relay in self.relays.items():
-            await relay.wait_stopped()
+            try:
+                await relay.wait_stopped()
+            except SenderDiedError as exc:
+                seen = before[h]
+                raise AssertionError(
+                    f"host {h}'s relay lost its trainer instead of being stopped ({exc}); before the trainer "
+                    f"closed it saw host {h} {seen.state} ({seen.reason}), connections {seen.connections}"
+                ) from exc
         for w in self.workers.values():
             await w.scheme.wait_stopped()
 

@@ -20,7 +20,8 @@ from asyncsync._wire._protocol import Auth, Challenge, decode, encode
 from tests._dist_cluster import TOKEN, DistCluster
 from tests._targets import fill_, make_model
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# The module's cluster starts within its first test: spawned workers import torch (slow on a busy machine).
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
 ALL = [(1, 0), (1, 1), (2, 0)]
 
