@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 import pytest
+from anyio import wait_all_tasks_blocked
 from hypothesis import HealthCheck, settings
 from torch import nn
 
@@ -102,3 +103,24 @@ async def test_a_version_replaced_before_its_transfer_started_is_dropped_quietly
             v = await lh.trainer.send()
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
         assert lh.workers[1, 0].version == v
+
+
+async def test_a_relay_that_leaves_is_not_told_its_trainer_died() -> None:
+    """Found by the machine: a relay's aclose() says Bye and waits for it to be written;
+    if the trainer, having read the Bye, closes the connection first, the relay's reader
+    took that end for the trainer's death (SenderDiedError from wait_stopped, for a relay
+    that left on its own). That order is forced here: the relay's wait for its Bye to be
+    written ends only once the trainer let the host go and every task ran."""
+    async with open_loopback_hosts(nn.Linear(3, 2), lambda: nn.Linear(3, 2), hosts={1: 1, 2: 1}, timeout=20) as lh:
+        stream = lh.hosts[1].relay._stream
+        real_drain = stream.drain
+
+        async def drain_after_the_trainer_closed() -> None:
+            await lh.trainer.sender.wait_lost(1, timeout=20)
+            await wait_all_tasks_blocked()  # the relay's reader saw the connection end
+            await real_drain()
+
+        stream.drain = drain_after_the_trainer_closed  # type: ignore[method-assign]
+        await lh.hosts[1].aclose()
+        await lh.hosts[1].wait_stopped()  # left on its own: no SenderDiedError
+        assert lh.trainer.statistics().host(1).state == "left"
