@@ -12,6 +12,7 @@ newest version first. Real kills (SIGKILL) are in tests/test_dist_faults_mp.py."
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any
 
@@ -45,13 +46,23 @@ class _Hosts(ClusterMachine):
     transports = ("hosts",)
 
 
+# One worker per host, automatic commits; options the machine has and these tests do not
+# need are off (only those its setup takes are passed).
+SETUP: dict[str, Any] = dict(transport="hosts", manual=False, cast=False, commit="swap", n=1, poll=False)
+
+
+def set_up(m: ClusterMachine) -> None:
+    params = inspect.signature(m.setup).parameters
+    m.setup(**{k: v for k, v in SETUP.items() if k in params})
+
+
 def run_steps(*steps: tuple[str, dict[str, Any]]) -> _Hosts:
     """Run the machine's rules *steps* in order on the multi-host transport (one worker per
     host, automatic commits), checking the invariants after each, then its teardown (which
     converges every living worker to a last version)."""
     m = _Hosts()
     try:
-        m.setup(transport="hosts", manual=False, cast=False, commit="swap", n=1)
+        set_up(m)
         for name, kwargs in steps:
             getattr(m, name)(**kwargs)
             m.every_worker_runs_exactly_a_version_sent_to_it()
@@ -75,7 +86,7 @@ def test_a_stalled_host_lands_nothing_until_it_resumes() -> None:
     parked waiting for one): a send to the stalled host times out, and lands once it resumes."""
     m = _Hosts()
     try:
-        m.setup(transport="hosts", manual=False, cast=False, commit="swap", n=1)
+        set_up(m)
         m.make_host_busy(i=1, busy=True)
         c = m.cluster
         with pytest.raises(SyncTimeoutError):
