@@ -7,6 +7,7 @@ import socket
 from typing import Any
 
 from asyncsync import AsyncQueue, DistributedWeightSyncScheme, spawn_workers
+from asyncsync._local._workers import START_TIMEOUT
 from tests._dist_targets import relay_host
 from tests._targets import make_model
 from tests.conftest import Probe
@@ -34,6 +35,17 @@ class Host:
     @property
     def running(self) -> bool:
         return not self.closed and self.group.processes[self.idx].exitcode is None
+
+    async def started(self) -> None:
+        """Until the relay's worker processes run (bounded like any process start): the
+        scheme's timeouts count from there, not from their imports."""
+        msg = await self.ctrl.get(timeout=START_TIMEOUT)
+        assert msg == ("started",), msg
+
+    async def joined(self) -> None:
+        """Until the relay's workers run the first weights."""
+        msg = await self.ctrl.get(timeout=30)
+        assert msg[0] == "joined", msg
 
     async def aclose(self) -> None:
         self.closed = True
@@ -73,12 +85,11 @@ class DistCluster:
     async def start(self, opts: dict[int, dict[str, Any]] | None = None) -> DistCluster:
         for h in self.layout_hosts:
             self.spawn_host(h, opts=(opts or {}).get(h))
-        # Starting 2 relays that start their workers (each importing torch) is what takes
-        # long on a small busy machine: more than the scheme's 30 s was seen at load 7 on 2 cores.
-        await self.scheme.connect(timeout=50)
         for host in self.hosts.values():
-            msg = await host.ctrl.get(timeout=30)
-            assert msg[0] == "joined", msg
+            await host.started()
+        await self.scheme.connect(timeout=30)
+        for host in self.hosts.values():
+            await host.joined()
         return self
 
     async def state(self, wid: tuple[int, int]) -> tuple[int, dict[str, Any]]:

@@ -14,8 +14,10 @@ from tests._targets import fill_, make_model, probe_worker
 async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], ctrl: Any, opts: dict[str, Any] | None = None) -> str:
     """One simulated host: a relay and one probe worker per connection in *probe_conns*.
 
-    Answers on *ctrl*: ``("joined", version)`` once its workers run the first weights,
-    then ``("stopped", how)`` when the trainer stops it or dies.
+    Answers on *ctrl*: ``("started",)`` once its worker processes run (then it connects),
+    ``("joined", version, n)`` once its workers run the first weights, then
+    ``("stopped", how)`` when the trainer stops it or dies (``("failed", why)`` first if
+    it could not start or join).
     """
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format=f"[host {host} %(relativeCreated)d ms] %(message)s")
@@ -40,6 +42,9 @@ async def relay_host(host: int, port: int, token: str, probe_conns: list[Any], c
     outcome = "?"
     try:
         try:
+            for g in groups:  # importing torch is what takes long on a busy machine: the timeouts start after it
+                await g.wait_started()
+            await q.put(("started",))
             async with scheme:
                 await q.put(("joined", scheme.version, n))
                 try:

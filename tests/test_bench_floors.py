@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncsync.bench import run_benchmark
+from asyncsync.bench.__main__ import main as bench_main
 from asyncsync.bench._floors import measure_floors
 from asyncsync.bench._report import markdown
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _positive(value: Any) -> bool:
@@ -59,14 +55,13 @@ def test_bench_rows_have_floors_per_worker_cpu_and_flat_rows() -> None:
     assert "| shm flat | 1k/8 | 2 |" in table
 
 
-@pytest.mark.timeout(300)  # a fresh interpreter and a spawned worker each import torch: slow on a busy machine
-def test_cli_no_floors(tmp_path: Path) -> None:
+def test_cli_no_floors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line's ``main`` in this process (its workers come from this process's
+    forkserver); tests/test_bench_echo.py runs ``python -m asyncsync.bench`` itself."""
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "asyncsync.bench", "--transports", "shm", "--params", "1k", "--workers", "1"]
-    cmd += ["--repeats", "3", "--no-memory", "--no-echo", "--no-floors", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr
+    argv = ["--transports", "shm", "--params", "1k", "--workers", "1"]
+    argv += ["--repeats", "3", "--no-memory", "--no-echo", "--no-floors", "--json", str(out)]
+    assert bench_main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["socket_rtt_ms"] is None and row["spin_rtt_ratio"] is None and row["flat"] is False
-    assert "| x socket | x spin |" in proc.stdout
+    assert "| x socket | x spin |" in capsys.readouterr().out

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from asyncsync import AsyncQueue, HostLostError, WorkerDiedError, spawn_workers
+from asyncsync._local._workers import START_TIMEOUT
 from tests._dist_cluster import TOKEN, DistCluster, free_port
 from tests._dist_targets import dist_trainer, relay_host
 from tests._targets import fill_
@@ -19,7 +20,8 @@ from tests.conftest import Probe
 
 CTX = mp.get_context("spawn")
 # One loop for the module: the shared cluster's heartbeats must keep flowing during every test.
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# The module's cluster starts within its first test: spawned workers import torch (slow on a busy machine).
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -68,8 +70,8 @@ async def test_2_restarted_host_rejoins_with_the_latest_weights_then_its_worker_
     v_latest = await c.scheme.send()
     await c.hosts[2].aclose()
     c.spawn_host(2)
-    msg = await c.hosts[2].ctrl.get(timeout=30)
-    assert msg[0] == "joined", msg
+    await c.hosts[2].started()
+    await c.hosts[2].joined()
     await c.scheme.sender.wait_joined(2, timeout=30)
     version, sd = await c.state((2, 0))
     assert version == v_latest and all(bool((t == 4.0).all()) for t in sd.values())
@@ -106,16 +108,19 @@ async def test_killed_trainer_leaves_relays_and_workers_with_sender_died() -> No
     report_a, report_b = CTX.Pipe()
     probe_a, probe_b = CTX.Pipe()
     ctrl_a, ctrl_b = CTX.Pipe()
-    trainer = spawn_workers(dist_trainer, worker_ids=[0], args=(port, TOKEN, report_b))
-    trainer.start()
     host = spawn_workers(relay_host, worker_ids=[1], args=(port, TOKEN, [probe_b], ctrl_b, None))
     host.start()
-    for end in (report_b, probe_b, ctrl_b):
+    for end in (probe_b, ctrl_b):
         end.close()
+    trainer = spawn_workers(dist_trainer, worker_ids=[0], args=(port, TOKEN, report_b))
     report: AsyncQueue[object] = AsyncQueue(report_a)
     ctrl: AsyncQueue[object] = AsyncQueue(ctrl_a)
     probe = Probe(probe_a)
     try:
+        # the trainer's connect timeout counts from its start: once the relay's worker runs
+        assert await ctrl.get(timeout=START_TIMEOUT) == ("started",)
+        trainer.start()
+        report_b.close()
         assert await report.get(timeout=60) == ("trainer-ready", 1)
         joined = await ctrl.get(timeout=30)
         assert joined[0] == "joined", joined

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from anyio import wait_all_tasks_blocked
 
 from asyncsync import DistributedWeightSyncScheme, HostLostError, MultiProcessWeightSyncScheme, loopback_worker
 from asyncsync.testing import open_loopback_hosts
@@ -318,7 +319,7 @@ async def test_nothing_left_after_aclose() -> None:
         for k in range(3):
             fill_(model, float(k))
             await trainer.send()
-    await asyncio.sleep(0)
+    await wait_all_tasks_blocked()  # every callback the close scheduled has run
     fds1, threads1 = snapshot()
     assert threads1 == threads0, threading.enumerate()
     assert fds1 == fds0, {fd: _link(fd) for fd in fds1 ^ fds0}

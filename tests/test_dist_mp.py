@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 import torch
+from anyio import wait_all_tasks_blocked
 
 from asyncsync import AuthenticationError, DistributedWeightSyncScheme, WeightsError
 from asyncsync._dist._control import auth_mac
@@ -19,7 +20,8 @@ from asyncsync._wire._protocol import Auth, Challenge, decode, encode
 from tests._dist_cluster import TOKEN, DistCluster
 from tests._targets import fill_, make_model
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# The module's cluster starts within its first test: spawned workers import torch (slow on a busy machine).
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
 ALL = [(1, 0), (1, 1), (2, 0)]
 
@@ -179,7 +181,7 @@ async def test_garbage_and_truncated_frames_close_the_connection(dc: DistCluster
             if b"\x00" * 10 in frame:
                 writer.write_eof()
             assert await _closed(reader)
-            await asyncio.sleep(0)  # let the server log
+            await wait_all_tasks_blocked()  # the server's handler is done (it logs, then closes)
         assert any("closed control connection from 127.0.0.1" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         writer.close()
@@ -195,7 +197,7 @@ async def test_wrong_token_is_refused_by_the_trainer(dc: DistCluster, caplog: py
         with caplog.at_level(logging.WARNING, logger="asyncsync"):
             writer.write(encode(Auth(2, 1, 1, b"\x02" * 32, auth_mac(b"not-the-token", challenge.nonce, 2, 1))))
             assert await _closed(reader)
-            await asyncio.sleep(0)
+            await wait_all_tasks_blocked()
         assert any("wrong token" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         writer.close()

@@ -8,11 +8,13 @@ and every one runs:
   within ``SNIPPET_TIMEOUT`` seconds, in a namespace holding the ``PREAMBLE`` below:
   ``asyncio``, ``torch``, ``nn``, every name of ``asyncsync.__all__`` and ``make_policy()``.
   Workers are ``loopback_worker``\\ s (receivers in the same event loop, no process);
-- a *script* (it contains ``if __name__ == "__main__":``) runs as ``python example.py`` in a
-  temporary directory within ``SCRIPT_TIMEOUT`` seconds: spawned workers must import their
-  function from a file. A script is mostly process start-up (importing torch, in it and in
-  each worker it spawns), so there are few, they all start together when this module's
-  first test starts (the ``scripts`` fixture), and each test waits for its own.
+- a *script* (it contains ``if __name__ == "__main__":``) runs as ``python example.py`` would,
+  from a file in a temporary directory, within ``SCRIPT_TIMEOUT`` seconds: spawned workers
+  must import their function from a file. A script is mostly process start-up (importing
+  torch, starting its workers), so they all run, one after another, in one background
+  interpreter (tests/_script_runner.py) started when this module's first test starts (the
+  ``scripts`` fixture); each test waits for its own, and a script must leave no child
+  process running when it returns.
 
 **Markdown code blocks.** Every ```` ```python ```` block of README.md and docs/*.md is
 compiled (top-level ``await`` allowed) and every module and name it imports must import
@@ -33,6 +35,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import re
 import signal
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,8 @@ import pytest
 
 import asyncsync
 import asyncsync.testing
+
+pytest_plugins = ["pytester"]
 
 # Every public name: the package's, and its testing module's (imported explicitly by users).
 PUBLIC: dict[str, Any] = {
@@ -148,49 +154,75 @@ def run_snippet(code: str, where: str, namespace: dict[str, Any]) -> None:
 
 
 class Scripts:
-    """The script examples, started together in the background (each is mostly process
-    start-up, importing torch), each awaited by its own test."""
+    """The script examples, run one after another in one background interpreter (a
+    script is mostly process start-up: torch and the forkserver then start once for all),
+    in the order the tests ask for them; each test waits for its own script's result."""
 
     def __init__(self, codes: list[str]) -> None:
         self.codes = list(dict.fromkeys(codes))
         self.tmp = tempfile.TemporaryDirectory(prefix="asyncsync-examples-")
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.results: dict[str, dict[str, Any]] = {}
+        self.reported: dict[str, threading.Event] = {}
+        self._readers: list[threading.Thread] = []
 
     def start(self) -> None:
-        for code in self.codes:
-            self._launch(code)
+        if self.codes:
+            self._launch(self.codes)
 
     def _path(self, code: str) -> Path:
         return Path(self.tmp.name) / f"example_{hashlib.sha1(code.encode()).hexdigest()[:10]}.py"
 
-    def _launch(self, code: str) -> None:
-        path = self._path(code)
-        path.write_text(code)
+    def _launch(self, codes: list[str]) -> None:
+        """One runner for *codes* (tests/_script_runner.py); a thread collects its results."""
+        paths = []
+        for code in codes:
+            self._path(code).write_text(code)
+            self.reported[code] = threading.Event()
+            paths.append(str(self._path(code)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        with path.with_suffix(".out").open("w") as out, path.with_suffix(".err").open("w") as err:
-            self.procs[code] = subprocess.Popen(
-                [sys.executable, str(path)], cwd=self.tmp.name, env=env, stdout=out, stderr=err, start_new_session=True
-            )
+        r, w = os.pipe()
+        log = Path(self.tmp.name) / f"runner{len(self.procs)}.log"
+        try:
+            with log.open("w") as out:
+                cmd = [sys.executable, "-m", "tests._script_runner", "--timeout", str(SCRIPT_TIMEOUT), str(w), *paths]
+                proc = subprocess.Popen(cmd, cwd=self.tmp.name, env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=[w], start_new_session=True)
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        self.procs.append(proc)
+        by_path = dict(zip(paths, codes))
+        reader = threading.Thread(target=self._collect, args=(r, by_path, log), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def _collect(self, fd: int, by_path: dict[str, str], log: Path) -> None:
+        with open(fd) as results:
+            for line in results:
+                result = json.loads(line)
+                code = by_path.pop(result["path"])
+                self.results[code] = result
+                self.reported[code].set()
+        for code in by_path.values():  # the runner ended before it ran them
+            self.results[code] = {"ok": False, "error": f"the runner ended first:\n{log.read_text()}", "stdout": ""}
+            self.reported[code].set()
 
     def run(self, code: str) -> str:
-        """Wait for *code*'s process (started with the others, or now if it is new); return its stdout."""
-        if code not in self.procs:
-            self._launch(code)
-        proc = self.procs[code]
-        try:
-            proc.wait(timeout=SCRIPT_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self._kill(proc)
-        path = self._path(code)
-        stdout, stderr = path.with_suffix(".out").read_text(), path.with_suffix(".err").read_text()
-        assert proc.returncode == 0, (
-            f"example script exited with {proc.returncode} (-9: ran past {SCRIPT_TIMEOUT}s):\n{code}\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}"
-        )
-        return stdout
+        """Wait for *code*'s result (run with the others, or now if it is new); return its stdout."""
+        if code not in self.reported:
+            self._launch([code])
+        # The runner bounds each script by SCRIPT_TIMEOUT, and runs them in the tests' order.
+        before = self.codes.index(code) if code in self.codes else 0
+        assert self.reported[code].wait((before + 1) * SCRIPT_TIMEOUT + 30), f"no result from the script runner:\n{code}"
+        result = self.results[code]
+        assert result["ok"], f"example script failed:\n{code}\n--- stdout:\n{result['stdout']}\n--- error:\n{result['error']}"
+        return str(result["stdout"])
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes]) -> None:
-        """SIGKILL the script and the workers it spawned (its own session)."""
+        """SIGKILL the process and the workers it spawned (its own session)."""
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -198,9 +230,9 @@ class Scripts:
         proc.wait()
 
     def background_pids(self) -> set[int]:
-        """The scripts still running and their children."""
+        """The runners still running and their children."""
         pids: set[int] = set()
-        for proc in self.procs.values():
+        for proc in self.procs:
             if proc.poll() is None:
                 try:
                     root = psutil.Process(proc.pid)
@@ -210,9 +242,13 @@ class Scripts:
         return pids
 
     def close(self) -> None:
-        for proc in self.procs.values():
+        for proc in self.procs:
             if proc.poll() is None:  # deselected, or its test failed early
                 self._kill(proc)
+            else:
+                proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=10)
         self.tmp.cleanup()
 
 
@@ -227,7 +263,7 @@ def preamble_namespace() -> dict[str, Any]:
 
 def script_codes() -> list[str]:
     """Every script example: from the docstrings, and the self-contained markdown blocks."""
-    codes = list(dict.fromkeys(c for c in (example_of(obj) for obj in PUBLIC.values()) if c and is_script(c)))
+    codes = list(dict.fromkeys(c for c in (example_of(PUBLIC[n]) for n in sorted(PUBLIC)) if c and is_script(c)))  # the tests' order
     codes += [c for _, c in BLOCKS if is_script(c) and not undefined_names(c)]
     return codes
 
@@ -528,27 +564,16 @@ def test_testing_md_is_a_project() -> None:
 
 
 @pytest.mark.timeout(SCRIPT_TIMEOUT + 60)
-def test_testing_md_snippets_pass_in_a_new_project(tmp_path: Path) -> None:
+def test_testing_md_snippets_pass_in_a_new_project(pytester: pytest.Pytester) -> None:
     """The reader's view: a project holding only testing.md's pyproject.toml and test files,
-    asyncsync installed; ``python -m pytest`` there passes every test."""
+    asyncsync installed; pytest run there (in this interpreter, as ``python -m pytest``
+    would: its own configuration, plugins from their entry points; its worker processes
+    come from this process's forkserver) passes every test."""
     files = reader_project()
     for rel, code in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(code)
+        (pytester.path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pytester.path / rel).write_text(code)
     expected = sum(len(re.findall(r"^async def test_|^def test_", code, re.MULTILINE)) for code in files.values())
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # no empty entry: the project's folder is no package
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=SCRIPT_TIMEOUT + 30)
-    except subprocess.TimeoutExpired:
-        Scripts._kill(proc)  # type: ignore[arg-type]
-        out, _ = proc.communicate()
-    report = out.decode(errors="replace")
-    assert proc.returncode == 0 and re.search(rf"\b{expected} passed\b", report), report
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    report = "\n".join(result.outlines)
+    assert result.ret == 0 and re.search(rf"\b{expected} passed\b", report), report

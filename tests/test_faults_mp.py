@@ -21,7 +21,7 @@ from asyncsync import (
     WorkerDiedError,
     spawn_workers,
 )
-from asyncsync.testing import ProcessWorkers
+from asyncsync.testing import ProcessWorkers, open_loopback
 from tests._targets import fill_, make_model, simple_worker, trainer_process
 from tests.conftest import Cluster
 
@@ -144,24 +144,23 @@ async def test_trainer_killed_workers_notice_and_keep_weights() -> None:
 
 
 async def test_bad_input_and_calls_after_close() -> None:
+    """The trainer's own checks (a loopback worker: nothing here depends on its process)."""
     model = make_model()
     scheme = MultiProcessWeightSyncScheme(check_finite=True, timeout=30)
     scheme.init_on_sender(model=model, num_workers=1)
-    async with spawn_workers(simple_worker, 1, args=(scheme,), scheme=scheme) as group:
-        async with scheme:
-            sd = {k: t.clone() for k, t in model.state_dict().items()}
-            sd["0.bias"][3] = float("nan")
-            with pytest.raises(WeightsError, match="NaN or inf in '0.bias'"):
-                await scheme.send(weights=sd)
-            meta = {k: t.to("meta") for k, t in model.state_dict().items()}
-            with pytest.raises(WeightsError, match="meta device"):
-                await scheme.send(weights=meta)
-            with pytest.raises(WeightsError, match="no parameters"):
-                await scheme.send(weights=torch.nn.ReLU())
-            with pytest.raises(ValueError, match="quorum"):
-                await scheme.wait_async(quorum=2)
-            assert scheme.version == 0
-        await group.join(timeout=30)
+    async with open_loopback(scheme, make_model):
+        sd = {k: t.clone() for k, t in model.state_dict().items()}
+        sd["0.bias"][3] = float("nan")
+        with pytest.raises(WeightsError, match="NaN or inf in '0.bias'"):
+            await scheme.send(weights=sd)
+        meta = {k: t.to("meta") for k, t in model.state_dict().items()}
+        with pytest.raises(WeightsError, match="meta device"):
+            await scheme.send(weights=meta)
+        with pytest.raises(WeightsError, match="no parameters"):
+            await scheme.send(weights=torch.nn.ReLU())
+        with pytest.raises(ValueError, match="quorum"):
+            await scheme.wait_async(quorum=2)
+        assert scheme.version == 0
     with pytest.raises(ClosedError):
         await scheme.send()
     with pytest.raises(ClosedError):

@@ -92,6 +92,7 @@ class Relay:
         self._published = -1
         self._error: BaseException | None = None
         self._displaced = False
+        self._leaving = False  # aclose() said Bye: the trainer closing the connection is the answer
         self._state = "new"
         self._joining = False
         self._store_job: concurrent.futures.Future[Any] | None = None
@@ -236,7 +237,7 @@ class Relay:
             # Trainer and relay agree on whether this host is there: a relay that gives up
             # on the trainer ends the connection, and the trainer declares the host lost.
             stream.close()
-            if self._state == "running":
+            if self._state == "running" and not self._leaving:
                 self._error = SenderDiedError(f"host {self.host}: the trainer is gone ({exc}); keeping version {self._published}")
                 self._ops.put_nowait(None)
                 self._changed.notify()
@@ -418,6 +419,7 @@ class Relay:
         if self._state == "closed":
             return
         if self._state == "running" and self._stream is not None:
+            self._leaving = True
             try:
                 self._stream.send(Bye(self.host, self._published, "the relay closed"))
                 await asyncio.wait_for(self._stream.drain(), 2.0)
