@@ -422,6 +422,7 @@ def resolve_model(context: Any, model_id: str | None) -> nn.Module | None:
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
+_is_cpu = operator.attrgetter("is_cpu")
 
 
 class KnownSource:
@@ -445,6 +446,7 @@ class KnownSource:
         self.shapes = list(map(_shape, self.tensors))
         self.dtypes = list(map(_dtype, self.tensors))
         self.devices = list(map(_device, self.tensors))
+        self.on_cpu = all(d.type == "cpu" for d in self.devices)
         self.modules: list[nn.Module] = []
         if isinstance(obj, nn.Module):
             self.modules = list(obj.modules())
@@ -497,6 +499,6 @@ class KnownSource:
             return None  # a tensor object was replaced: validate again
         if list(map(_shape, tensors)) != self.shapes or list(map(_dtype, tensors)) != self.dtypes:
             return None  # `p.data = ...` with another shape or dtype
-        if list(map(_device, tensors)) != self.devices:
-            return None
+        if not (all(map(_is_cpu, tensors)) if self.on_cpu else list(map(_device, tensors)) == self.devices):
+            return None  # moved to another device (`is_cpu` is a cached bool: no device object made)
         return self.flat
