@@ -4,6 +4,8 @@ a flattened model and NaN values on every send (on the loopback)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -13,22 +15,27 @@ from asyncsync import MultiProcessWeightSyncScheme, WeightsError, flatten_parame
 from tests._targets import fill_, make_model
 
 
-async def _pair(model: nn.Module, worker_model: nn.Module, **kw: object) -> tuple[MultiProcessWeightSyncScheme, MultiProcessWeightSyncScheme]:
+@asynccontextmanager
+async def _pair(model: nn.Module, worker_model: nn.Module, **kw: object) -> AsyncIterator[MultiProcessWeightSyncScheme]:
+    """A connected sender of *model* and a loopback worker holding *worker_model*."""
     scheme = MultiProcessWeightSyncScheme(timeout=10, **kw)  # type: ignore[arg-type]
     scheme.init_on_sender(model=model, num_workers=1)
     worker = loopback_worker(scheme, 0)
     worker.init_on_receiver(worker_idx=0, model=worker_model)
-    joining = asyncio.ensure_future(worker.connect())
-    await scheme.connect()
-    await joining
-    return scheme, worker
+    try:
+        joining = asyncio.ensure_future(worker.connect())
+        await scheme.connect()
+        await joining
+        yield scheme
+    finally:
+        await scheme.aclose()
+        await worker.aclose()
 
 
 async def test_structural_changes_of_a_nested_module_are_refused_naming_the_key() -> None:
     model = make_model("bn")
     worker_model = make_model("bn")
-    scheme, worker = await _pair(model, worker_model)
-    try:
+    async with _pair(model, worker_model) as scheme:
         await scheme.send()
         await scheme.send()  # the cached check from here on
         # a parameter added to a submodule: named, nothing sent
@@ -54,17 +61,13 @@ async def test_structural_changes_of_a_nested_module_are_refused_naming_the_key(
         fill_(model, 7.0)
         await scheme.send()
         assert all(bool((t == 7.0).all()) for t in worker_model.parameters())
-    finally:
-        await scheme.aclose()
-        await worker.aclose()
 
 
 async def test_a_view_of_the_same_memory_with_another_shape_is_refused() -> None:
     # The memory (data_ptr) is unchanged: only the shape says that this no longer fits.
     model = flatten_parameters(make_model())
     worker_model = make_model()
-    scheme, worker = await _pair(model, worker_model)
-    try:
+    async with _pair(model, worker_model) as scheme:
         fill_(model, 1.0)
         await scheme.send()
         await scheme.send()
@@ -83,16 +86,12 @@ async def test_a_view_of_the_same_memory_with_another_shape_is_refused() -> None
             weight.data = torch.full((16, 4), 3.0)
         await scheme.send()
         assert bool((worker_model[0].weight == 3.0).all()) and bool((worker_model[2].weight == 2.0).all())
-    finally:
-        await scheme.aclose()
-        await worker.aclose()
 
 
 async def test_check_finite_reads_the_values_on_every_cached_send() -> None:
     model = make_model()
     worker_model = make_model()
-    scheme, worker = await _pair(model, worker_model, check_finite=True)
-    try:
+    async with _pair(model, worker_model, check_finite=True) as scheme:
         fill_(model, 1.0)
         await scheme.send()
         await scheme.send()
@@ -104,6 +103,3 @@ async def test_check_finite_reads_the_values_on_every_cached_send() -> None:
         fill_(model, 4.0)
         await scheme.send()
         assert all(bool((t == 4.0).all()) for t in worker_model.parameters())
-    finally:
-        await scheme.aclose()
-        await worker.aclose()
