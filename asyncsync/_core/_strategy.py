@@ -11,7 +11,8 @@ import difflib
 import logging
 import operator
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from itertools import chain
 from typing import Any, Literal
 
 import torch
@@ -421,6 +422,7 @@ def resolve_model(context: Any, model_id: str | None) -> nn.Module | None:
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
+_is_cpu = operator.attrgetter("is_cpu")
 
 
 class KnownSource:
@@ -428,24 +430,31 @@ class KnownSource:
 
     The sender validates a source fully the first time (and whenever the check fails); on
     every later send it only re-reads the tensors from the containers that held them and
-    compares identities, shapes, dtypes and devices with C-level ``map``s: no walk over
-    the modules, no per-tensor Python. For an ``nn.Module`` the check also covers its
-    structure (every submodule, and how many parameters and buffers each holds); for a
-    plain dict, its keys. Anything else (a TensorDict, a nested dict) is not cached.
+    compares identities, shapes, dtypes and devices: a fixed number of C-level ``map``
+    passes, no walk over the modules, no Python call per tensor or per submodule. For an
+    ``nn.Module`` the check also covers its structure (every submodule, and how many
+    parameters, buffers and children each holds); for a plain dict, its keys. Anything
+    else (a TensorDict, a nested dict) is not cached. While nothing changed,
+    :meth:`current` returns one dict built at validation (callers must not modify it).
     """
 
     def __init__(self, obj: Any, flat: dict[str, torch.Tensor]) -> None:
         self.obj = obj
+        self.flat = dict(flat)
         self.keys = list(flat)
         self.tensors = list(flat.values())
         self.shapes = list(map(_shape, self.tensors))
         self.dtypes = list(map(_dtype, self.tensors))
         self.devices = list(map(_device, self.tensors))
+        self.on_cpu = all(d.type == "cpu" for d in self.devices)
         self.modules: list[nn.Module] = []
         if isinstance(obj, nn.Module):
             self.modules = list(obj.modules())
-            self.children = [c for m in self.modules for c in m._modules.values()]
-            self.sizes = [len(m._parameters) + len(m._buffers) for m in self.modules]
+            self.params = [m._parameters for m in self.modules]
+            self.buffers = [m._buffers for m in self.modules]
+            self.submodules = [m._modules for m in self.modules]
+            self.sizes = self._sizes()
+            self.children = list(self._children())
             where: dict[int, tuple[dict[str, Any], str]] = {}
             for m in self.modules:
                 for d in (m._parameters, m._buffers):
@@ -454,6 +463,12 @@ class KnownSource:
                             where[id(t)] = (d, name)
             self.containers = [where[id(t)][0] for t in self.tensors]
             self.names = [where[id(t)][1] for t in self.tensors]
+
+    def _sizes(self) -> tuple[list[int], list[int], list[int]]:
+        return list(map(len, self.params)), list(map(len, self.buffers)), list(map(len, self.submodules))
+
+    def _children(self) -> Iterator[Any]:
+        return chain.from_iterable(map(dict.values, self.submodules))
 
     @classmethod
     def of(cls, obj: Any, flat: dict[str, torch.Tensor]) -> KnownSource | None:
@@ -467,22 +482,23 @@ class KnownSource:
         """The source's tensors now, if nothing but their values changed; else None."""
         obj = self.obj
         if self.modules:
-            if [c for m in self.modules for c in m._modules.values()] != self.children:
-                return None  # a submodule was added, removed or replaced
-            if [len(m._parameters) + len(m._buffers) for m in self.modules] != self.sizes:
-                return None
+            if self._sizes() != self.sizes:
+                return None  # a parameter, buffer or submodule was added or removed
+            # Same counts per module: one identity pass over every child covers replacements.
+            if not all(map(operator.is_, self._children(), self.children)):
+                return None  # a submodule was replaced
             try:
                 tensors = list(map(operator.getitem, self.containers, self.names))
             except KeyError:
                 return None
         else:
-            if list(obj) != self.keys:
+            if len(obj) != len(self.keys) or list(obj) != self.keys:
                 return None
             tensors = list(obj.values())
         if not all(map(operator.is_, tensors, self.tensors)):
             return None  # a tensor object was replaced: validate again
         if list(map(_shape, tensors)) != self.shapes or list(map(_dtype, tensors)) != self.dtypes:
             return None  # `p.data = ...` with another shape or dtype
-        if list(map(_device, tensors)) != self.devices:
-            return None
-        return dict(zip(self.keys, tensors))
+        if not (all(map(_is_cpu, tensors)) if self.on_cpu else list(map(_device, tensors)) == self.devices):
+            return None  # moved to another device (`is_cpu` is a cached bool: no device object made)
+        return self.flat
