@@ -464,17 +464,21 @@ async def test_a_partial_update_is_whole_to_a_host_that_did_not_publish_its_base
         relay_local = relay.relay.local
         fill_(model, 1.0)
         assert await trainer.send() == 1
-        real = relay_local.publish_filled
+        real = relay_local.reserve
         lost: list[int] = []
 
-        async def publish_filled(fill: Any, version: int, *args: Any, **kwargs: Any) -> None:
+        def reserve(version: int, *args: Any, **kwargs: Any) -> Any:
+            landing = real(version, *args, **kwargs)
             if version == 2:
-                await fill(torch.empty(relay_local.layout.nbytes, dtype=torch.uint8))  # received, then lost
-                lost.append(version)
-                raise RuntimeError("landing lost")
-            await real(fill, version, *args, **kwargs)
 
-        relay_local.publish_filled = publish_filled  # type: ignore[method-assign]
+                def lose() -> None:  # received, then lost
+                    lost.append(version)
+                    raise RuntimeError("landing lost")
+
+                landing.publish = lose  # type: ignore[method-assign]
+            return landing
+
+        relay_local.reserve = reserve  # type: ignore[method-assign]
         fill_(model, 2.0)
         assert await trainer.send_async() == 2
         host = trainer.sender._hosts[1]
