@@ -279,7 +279,7 @@ async def test_after_a_rejoin_a_partial_goes_whole_to_a_worker_that_lacks_its_ba
 
 def test_a_partial_update_travels_as_merged_byte_ranges_or_whole() -> None:
     from asyncsync._core._layout import Layout
-    from asyncsync._dist._sender import _changed_ranges
+    from asyncsync._dist._transfer import changed_ranges as _changed_ranges
 
     flat = {"a": torch.zeros(4), "b": torch.zeros(4), "big": torch.zeros(1 << 20), "c": torch.zeros(4)}
     layout = Layout.from_tensors(flat)

@@ -1,12 +1,15 @@
 """The relay: one per remote host, between the trainer's network transfers and local workers.
 
 A relay *is* a local :class:`~._scheme.MultiProcessWeightSyncScheme` sender whose weights
-come from the network: each transfer is received (broadcast or point-to-point, on the
-weight-sync group) straight into a free shared-memory slot of that local sender, which
-then publishes it to the host's workers through the local path (latest wins, atomic
-commits, acks, the ownership ledger: all unchanged). The relay forwards every local ack
-and every local worker's death to the trainer over its control stream, so the trainer
-knows each remote worker by ``(host, local index)``.
+come from the network: for each transfer it reserves a free shared-memory slot of that
+local sender (``Sender.reserve``), receives the bytes (broadcast or point-to-point, on the
+weight-sync group) straight into it, and publishes it to the host's workers through the
+local path (latest wins, atomic commits, acks, the ownership ledger: all unchanged). A
+receive given up while the backend still writes the slot abandons the reservation with
+that writer, so the slot stays reserved until it is done. As the local sender's observer
+(``Sender.observe``), the relay forwards every local ack and every local worker's death
+to the trainer over its control stream, so the trainer knows each remote worker by
+``(host, local index)``.
 
 If the trainer goes away (EOF, no heartbeat, a malformed frame), the relay closes its
 local channels without ``Stop``: every local worker ends with :class:`SenderDiedError`
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .._core._deadline import unless
 from .._core._signal import Signal
 from .._errors import (
     AsyncSyncError,
@@ -47,7 +51,6 @@ from .._options import DEFAULT, Timeout, resolve_timeout
 from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, off_loop, welcome_mac
 from ._dataplane import SyncGroup
-from ._sender import unless
 
 __all__ = ["Relay"]
 
