@@ -91,9 +91,10 @@ class HostTable:
         silence_timeout: float | None,
     ) -> None:
         self.hosts = hosts
-        self._acks = acks
-        self._changed = changed
-        self._phase = phase  # the sender's state: new | running | closing | closed
+        # The sender's, shared with the transfer side: acks, change signal, state (new | running | closing | closed).
+        self.acks = acks
+        self.changed = changed
+        self.phase = phase
         self._layout = layout
         self._token = token
         self.heartbeat = heartbeat
@@ -159,7 +160,7 @@ class HostTable:
         except asyncio.CancelledError:
             await stream.aclose()
             raise
-        if self._phase() != "running":
+        if self.phase() != "running":
             await stream.aclose()
             return
         h = self.hosts[host.host]
@@ -173,7 +174,7 @@ class HostTable:
             except BrokenChannelError:
                 pass
             await old.aclose()
-            if self._phase() != "running" or h.stream is not None:
+            if self.phase() != "running" or h.stream is not None:
                 await stream.aclose()
                 return
         stream.limit = FRAME_LIMIT
@@ -186,7 +187,7 @@ class HostTable:
         h.delivered = -1
         h.pending.clear()
         for w in h.workers.values():
-            self._acks.expect(w.wid, h.connections)  # nothing it answered before counts
+            self.acks.expect(w.wid, h.connections)  # nothing it answered before counts
         h.requeue()  # each worker's newest version goes first
         try:
             stream.send(Setup(self._layout, None, os.getpid()))
@@ -200,7 +201,7 @@ class HostTable:
         stream.start_heartbeat(self.heartbeat)
         self.regroup = True
         logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
-        self._changed.notify()
+        self.changed.notify()
 
     async def _handshake(self, stream: ControlStream) -> Auth:
         nonce = new_nonce()
@@ -252,8 +253,8 @@ class HostTable:
         if w is None:
             logger.warning("asyncsync: host %d acked unknown worker %d", h.idx, ack.worker_idx)
             return
-        self._acks.connected(w.wid)  # its first answer on this connection (or a replacement process)
-        self._acks.ack(w.wid, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)
+        self.acks.connected(w.wid)  # its first answer on this connection (or a replacement process)
+        self.acks.ack(w.wid, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)
 
     def _on_worker_lost(self, h: Host, msg: Lost) -> None:
         w = h.workers.get(msg.worker_idx)
@@ -261,22 +262,22 @@ class HostTable:
             return
         wid = w.wid
         if msg.exitcode is None:
-            self._acks.lost(wid, "left", WorkerLeftError(wid, f"{msg.reason} (on host {h.idx})", w.applied))  # type: ignore[arg-type]
+            self.acks.lost(wid, "left", WorkerLeftError(wid, f"{msg.reason} (on host {h.idx})", w.applied))  # type: ignore[arg-type]
         else:
-            self._acks.lost(wid, "dead", WorkerDiedError(wid, msg.exitcode, None, f"on host {h.idx}: {msg.reason}"), msg.exitcode)  # type: ignore[arg-type]
+            self.acks.lost(wid, "dead", WorkerDiedError(wid, msg.exitcode, None, f"on host {h.idx}: {msg.reason}"), msg.exitcode)  # type: ignore[arg-type]
 
     def lose(self, h: Host, reason: str, state: str = "dead") -> None:
         """Host *h* is gone: name it, with each of its workers, and re-form the group."""
-        if self._phase() in ("closing", "closed"):
+        if self.phase() in ("closing", "closed"):
             h.state = "stopped"
             for w in h.workers.values():
-                self._acks.stopped(w.wid)
+                self.acks.stopped(w.wid)
         else:
             h.state = state
             h.reason = reason
             logger.warning("asyncsync: host %d lost: %s", h.idx, reason)
             for w in h.workers.values():
-                self._acks.lost(w.wid, "dead", HostLostError(h.idx, w.wid, reason, h.pid))
+                self.acks.lost(w.wid, "dead", HostLostError(h.idx, w.wid, reason, h.pid))
         h.stream = None
         self.regroup = True  # without it (also while a generation is forming)
-        self._changed.notify()
+        self.changed.notify()

@@ -66,11 +66,6 @@ class DistSender(SenderCore[WorkerId, RemoteWorker]):
         self._store = store
         self._bind = bind
         self._port = port
-        self.chunk_bytes = chunk_bytes
-        self.heartbeat = heartbeat
-        self.silence_timeout = silence_timeout
-        self.backend = backend
-        self.device = device  # where the snapshots live and travel from (None: host memory)
         self._hosts = HostTable.make(dict(hosts))
         self._workers: dict[WorkerId, RemoteWorker] = {w.wid: w for h in self._hosts.values() for w in h.workers.values()}
         super().__init__(
@@ -82,9 +77,6 @@ class DistSender(SenderCore[WorkerId, RemoteWorker]):
         self._xfer = Transfers(
             self._table,
             layout=wire_layout,
-            acks=self._acks,
-            changed=self._changed,
-            phase=self._phase,
             copier=self._copier,
             store=store,
             chunk_bytes=chunk_bytes,

@@ -18,16 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .._core._acks import AckTracker
 from .._core._deadline import unless
 from .._core._layout import Layout
 from .._core._offload import THREAD_COPY_BYTES, Offload
-from .._core._signal import Signal
 from .._errors import BrokenChannelError
 from .._io._staging import copy_tensors, stream_done
 from .._wire._protocol import Group, Transfer
@@ -63,9 +61,6 @@ class Transfers:
         table: HostTable,
         *,
         layout: Layout,
-        acks: AckTracker[WorkerId, RemoteWorker],
-        changed: Signal,
-        phase: Callable[[], str],
         copier: Offload,
         store: Any,
         chunk_bytes: int,
@@ -77,9 +72,9 @@ class Transfers:
         self._table = table
         self._hosts = table.hosts
         self._layout = layout
-        self._acks = acks
-        self._changed = changed
-        self._phase = phase  # the sender's state: new | running | closing | closed
+        self._acks = table.acks
+        self._changed = table.changed
+        self._phase = table.phase  # the sender's state: new | running | closing | closed
         self._copier = copier
         self.store = store
         self.chunk_bytes = chunk_bytes
