@@ -32,6 +32,7 @@ from ._errors import (
 )
 from ._core._flat import flatten_parameters
 from ._io._queues import AsyncQueue
+from ._local._attach import WorkerAddress
 from ._local._loopback import loopback_worker
 from ._local._receiver import Receiver
 from ._local._scheme import MultiProcessWeightSyncScheme
@@ -63,6 +64,7 @@ __all__ = [
     "SyncTimeoutError",
     "TensorSpec",
     "WeightsError",
+    "WorkerAddress",
     "WorkerDiedError",
     "WorkerError",
     "WorkerGroup",

@@ -422,7 +422,9 @@ class SyncTimeoutError(AsyncSyncError, TimeoutError):
         self.timeout = timeout
         self.never_connected = dict(never_connected or {})
         detail = ", ".join(f"worker {w} (at version {v})" for w, v in sorted(self.pending.items()))
-        message = f"{what} timed out after {format_seconds(timeout)}; no answer from {detail or 'nobody'}"
+        message = f"{what} timed out after {format_seconds(timeout)}"
+        if detail:
+            message += f"; no answer from {detail}"
         super().__init__(message + _never_connected_hint(self.never_connected))
 
     def __reduce__(self):  # type: ignore[no-untyped-def]

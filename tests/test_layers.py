@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "asyncsync"
 # The public vocabulary every layer may use: exceptions, statistics rows, options.
 VOCABULARY = {"asyncsync._errors", "asyncsync._stats", "asyncsync._options"}
 # Modules on top of everything: they may import any layer and no layer imports them.
-TOP = {"asyncsync", "asyncsync.testing", "asyncsync.torchrl", "asyncsync.soak", "asyncsync._stateful", "asyncsync.bench"}
+TOP = {"asyncsync", "asyncsync.testing", "asyncsync.torchrl", "asyncsync.ray", "asyncsync.soak", "asyncsync._stateful", "asyncsync.bench"}
 FOLDERS = {"_core": "core", "_wire": "wire", "_io": "io", "_local": "local", "_dist": "dist"}
 
 _BELOW = ["vocabulary", "core", "wire", "io", "local", "dist"]
@@ -150,9 +150,21 @@ def test_a_forbidden_import_is_caught(module: str, source: str) -> None:
         ("asyncsync._wire._protocol", "from .._core._layout import Layout\n"),
         ("asyncsync._io._queues", "from .._wire._protocol import encode\n"),
         ("asyncsync._local._sender", "from .._io._slots import SlotPool\nfrom ._receiver import Receiver\n"),
+        ("asyncsync._local._receiver", "from ._bucket import SlotBucket\n"),
         ("asyncsync._dist._relay", "from .._local._sender import Sender\nfrom . import _control\n"),
         ("asyncsync.testing", "from ._dist._scheme import DistributedWeightSyncScheme\n"),
     ],
 )
 def test_an_allowed_import_passes(module: str, source: str) -> None:
     assert violations(source, module) == []
+
+
+def test_the_queue_facade_sits_on_the_pipe_and_the_pipe_on_the_framing() -> None:
+    """Inside the local I/O layer: ``_framing`` needs no other I/O module, ``_pipe`` only
+    the framing, and neither knows the ``AsyncQueue`` façade above them."""
+    io_imports = {}
+    for name in ("_framing", "_pipe"):
+        module = f"asyncsync._io.{name}"
+        found = imported_modules((PACKAGE / "_io" / f"{name}.py").read_text(), module, False)
+        io_imports[name] = {m for m in found if m.startswith("asyncsync._io.")}
+    assert io_imports == {"_framing": set(), "_pipe": {"asyncsync._io._framing"}}

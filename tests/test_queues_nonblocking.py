@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncsync import AsyncQueue, BrokenChannelError, ClosedError, WouldBlock
-from asyncsync._io._queues import _frame_header
+from asyncsync._io._framing import frame_header
 
 from ._queue_targets import blob, digest, echo, exchange, fd_reader, slow_reader
 from ._strategies import texts
@@ -51,7 +51,7 @@ def child(target: Callable[..., None], *args: Any) -> Iterator[BaseProcess]:
 
 def frame(obj: object) -> bytes:
     payload = bytes(ForkingPickler.dumps(obj))
-    return _frame_header(len(payload)) + payload
+    return frame_header(len(payload)) + payload
 
 
 def raw_pair(kind: str) -> tuple[Connection, AsyncQueue[Any]]:
@@ -73,9 +73,9 @@ async def until(cond: Callable[[], bool]) -> None:
 
 
 def test_frame_header_matches_connection() -> None:
-    assert _frame_header(5) == struct.pack("!i", 5)
-    assert _frame_header(0x7FFFFFFF) == struct.pack("!i", 0x7FFFFFFF)
-    assert _frame_header(0x80000000) == struct.pack("!i", -1) + struct.pack("!Q", 0x80000000)
+    assert frame_header(5) == struct.pack("!i", 5)
+    assert frame_header(0x7FFFFFFF) == struct.pack("!i", 0x7FFFFFFF)
+    assert frame_header(0x80000000) == struct.pack("!i", -1) + struct.pack("!Q", 0x80000000)
 
 
 @pytest.mark.parametrize("kind", ["socket", "pipe"])

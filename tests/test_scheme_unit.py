@@ -23,7 +23,7 @@ PUBLIC_API = [
     "AsyncQueue", "AsyncSyncError", "AuthenticationError", "BrokenChannelError", "CapacityError", "ClosedError",
     "DistributedStatistics", "DistributedWeightSyncScheme", "HostLostError", "HostStatistics", "Layout",
     "MultiProcessWeightSyncScheme", "ProtocolError", "Receiver", "ReceiverStatistics", "Sender", "SenderDiedError",
-    "SenderStatistics", "SyncTimeoutError", "TensorSpec", "WeightsError", "WorkerDiedError", "WorkerError",
+    "SenderStatistics", "SyncTimeoutError", "TensorSpec", "WeightsError", "WorkerAddress", "WorkerDiedError", "WorkerError",
     "WorkerGroup", "WorkerLeftError", "WorkerProcessError", "WorkerStatistics", "WouldBlock", "flatten_parameters",
     "loopback_worker", "spawn_workers",
 ]  # fmt: skip

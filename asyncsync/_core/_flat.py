@@ -37,6 +37,9 @@ def flatten_parameters(model: nn.Module) -> nn.Module:
     Replacing a parameter later (``p.data = other`` or a new ``nn.Parameter``) is allowed:
     that tensor is then copied on its own, the rest still in spans.
 
+    Workers need no such call: with ``commit="swap"`` on CPU their receiver commits a
+    many-tensor model with one storage swap (after a first commit per tensor).
+
     Example::
 
         policy = flatten_parameters(make_policy())

@@ -17,56 +17,23 @@ stream's writer thread, so a peer whose event loop is blocked still beats.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import os
 import select
 import socket
-import struct
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from .._errors import BrokenChannelError, ProtocolError, SyncTimeoutError, format_seconds
-from .._wire._protocol import HEADER_BYTES, NONCE_BYTES, Beat, Message, decode, encode, payload_length
+from .._errors import BrokenChannelError, ProtocolError, format_seconds
+from .._wire._auth import HANDSHAKE_LIMIT, auth_mac, mac, new_nonce, resolve_token, welcome_mac
+from .._wire._protocol import HEADER_BYTES, Beat, Message, decode, encode, payload_length
 
-__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "mac", "new_nonce", "off_loop", "resolve_token"]
+__all__ = ["HANDSHAKE_LIMIT", "ControlStream", "auth_mac", "mac", "new_nonce", "resolve_token", "welcome_mac"]
 
 logger = logging.getLogger("asyncsync")
 
-# The largest payload before authentication: an Auth frame (host, workers, pid, 2 x 32 bytes).
-HANDSHAKE_LIMIT = 12 + 2 * NONCE_BYTES
 # After authentication: a Setup frame of a very large layout.
 FRAME_LIMIT = 256 << 20
-
-
-def resolve_token(token: str | bytes | None) -> bytes | None:
-    """The shared secret: *token*, else ``ASYNCSYNC_TOKEN``, else None."""
-    if token is None:
-        token = os.environ.get("ASYNCSYNC_TOKEN") or None
-    if token is None:
-        return None
-    raw = token.encode("utf-8") if isinstance(token, str) else bytes(token)
-    if not raw:
-        raise ValueError("the token is empty")
-    return raw
-
-
-def new_nonce() -> bytes:
-    return os.urandom(NONCE_BYTES)
-
-
-def mac(token: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
-
-
-def auth_mac(token: bytes, challenge: bytes, host: int, num_workers: int) -> bytes:
-    return mac(token, b"relay", challenge, struct.pack("!II", host, num_workers))
-
-
-def welcome_mac(token: bytes, nonce: bytes) -> bytes:
-    return mac(token, b"trainer", nonce)
 
 
 class ControlStream:
@@ -317,48 +284,3 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
-
-
-T = TypeVar("T")
-
-
-async def off_loop(fn: Callable[[], T], timeout: float | None, what: str) -> T:
-    """*fn()* in a daemon thread, awaited for at most *timeout* seconds; the loop never
-    waits for the thread. A blocking call that cannot be interrupted (a store client
-    connecting, a store wait) is left to finish on its own when this times out
-    (:class:`SyncTimeoutError` saying *what* it waited for) or is cancelled; its result
-    is dropped. A failure of *fn* is raised as it is."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-    fut.add_done_callback(_retrieve)
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        result, exc = None, None
-        try:
-            result = fn()
-        except BaseException as e:  # delivered to the loop
-            exc = e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    thread = threading.Thread(target=run, name="asyncsync-blocking-call", daemon=True)
-    thread.start()
-    try:
-        await asyncio.wait({fut}, timeout=timeout)
-    finally:
-        if not fut.done():
-            fut.cancel()  # timed out or cancelled: the thread's result is dropped
-    if fut.cancelled():
-        raise SyncTimeoutError(what, {}, timeout)
-    thread.join()  # it has delivered its result: instant
-    return fut.result()

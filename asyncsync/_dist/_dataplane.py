@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
+from .._core._offload import Offload
 from .._errors import BrokenChannelError, format_seconds
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "SyncGroup"]
@@ -44,6 +45,9 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "SyncGroup"]
 logger = logging.getLogger("asyncsync")
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+
+# Group rendezvous: each on a daemon thread of its own (see SyncGroup.create).
+_BUILDS = Offload("asyncsync-group", daemon=True)
 
 Buffer = torch.Tensor | list[torch.Tensor]  # one flat uint8 tensor, or its byte ranges
 
@@ -110,43 +114,10 @@ class SyncGroup:
 
         if backend == "nccl":
             _nccl_environment()  # here, on the loop, before the build thread starts
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        fut.add_done_callback(_retrieve)
-
-        def settle(pg: Any, exc: BaseException | None) -> None:
-            if fut.done():  # abandoned: a group built too late goes, off the loop
-                if pg is not None:
-                    threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
-            elif exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(pg)
-
-        def run() -> None:
-            pg, exc = None, None
-            try:
-                pg = build()
-            except BaseException as e:  # delivered to the loop
-                exc = e
-            try:
-                loop.call_soon_threadsafe(settle, pg, exc)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                if pg is not None:
-                    _drop([pg])
-
-        # A daemon thread, not an executor's: a rendezvous left waiting for a dead member
-        # cannot be interrupted (it ends at the store's timeout), and must not hold up the
-        # interpreter's exit meanwhile.
-        thread = threading.Thread(target=run, name="asyncsync-group", daemon=True)
-        thread.start()
-        try:
-            pg = await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except BaseException:
-            if not fut.done():
-                fut.cancel()  # a group built later is dropped by settle
-            raise
-        thread.join()  # it is done: join it
+        # A daemon thread of its own: a rendezvous left waiting for a dead member cannot be
+        # interrupted (it ends at the store's timeout), and must not hold up the interpreter's
+        # exit meanwhile. A group built after its caller left is dropped, off the loop.
+        pg = await _BUILDS.run(build, timeout=timeout, what=f"forming weight-sync group generation {generation}", discard=_drop_later)
         return cls(pg, generation, rank, size, chunk_bytes, timeout, device)
 
     def _chunks(self, buf: Buffer) -> list[torch.Tensor]:
@@ -372,7 +343,7 @@ class SyncGroup:
         if pg is None:
             return
         if background or self.device is not None:  # an NCCL shutdown may wait for the device: never on the loop
-            threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
+            _drop_later(pg)
         else:
             _drop([pg])
         del pg
@@ -424,6 +395,11 @@ def _copy_out(work: Any, landing: torch.Tensor, chunk: torch.Tensor) -> None:
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def _drop_later(pg: Any) -> None:
+    """Drop *pg* off the loop (an NCCL shutdown may wait for the device)."""
+    threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
 
 
 def _drop(holder: list[Any]) -> None:

@@ -24,7 +24,6 @@ import datetime
 import hmac
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from .._core._deadline import unless
+from .._core._offload import Offload
 from .._core._signal import Signal
 from .._errors import (
     AsyncSyncError,
@@ -49,7 +49,7 @@ from .._local._publisher import Reservation
 from .._local._sender import Sender
 from .._options import DEFAULT, Timeout, resolve_timeout
 from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
-from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, off_loop, welcome_mac
+from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
 from ._dataplane import SyncGroup
 
 __all__ = ["Relay"]
@@ -148,7 +148,7 @@ class Relay:
         where = f"the rendezvous store at {self._store_name}"
         if self._store is None:
             if self._store_job is None or self._store_job.done() and self._store_job.exception() is not None:
-                self._store_job = _start(self._open_store)  # a retry waits for the same attempt
+                self._store_job = _STORE_CALLS.start(self._open_store)  # a retry waits for the same attempt
             self._store = await _wait_job(self._store_job, _remaining(deadline), f"host {self.host} connecting to {where}", limit)
         store = self._store
         if self._token is None:  # no shared token: rank 0 put one in the store
@@ -467,24 +467,15 @@ class Relay:
         return group
 
 
-def _start(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-    """*fn()* in a daemon thread (it may block past any deadline: nothing joins it)."""
-    job: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            job.set_result(fn())
-        except BaseException as exc:  # delivered to whoever waits
-            job.set_exception(exc)
-
-    threading.Thread(target=run, name="asyncsync-store-connect", daemon=True).start()
-    return job
+# Store calls may block past any deadline (a client connecting to a listener that never
+# answers): each runs on a daemon thread of its own.
+_STORE_CALLS = Offload("asyncsync-blocking-call", daemon=True)
 
 
 async def _wait_job(job: concurrent.futures.Future[Any], remaining: float | None, what: str, limit: float | None) -> Any:
     try:
-        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), remaining)
-    except (TimeoutError, asyncio.TimeoutError):
+        return await _STORE_CALLS.wait(job, timeout=remaining, what=what)
+    except SyncTimeoutError:
         raise SyncTimeoutError(what, {}, limit) from None
     except AsyncSyncError:
         raise
@@ -499,19 +490,15 @@ async def _store_get(store: Any, key: str, remaining: float | None, what: str, l
 
     def get() -> bytes:
         own = store.clone() if hasattr(store, "clone") else store
-        own.wait([key], wait)
+        try:
+            own.wait([key], wait)
+        except Exception as exc:  # DistStoreError: the wait timed out in the store, or it went away
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                raise SyncTimeoutError(what, {}, limit) from None
+            raise
         return bytes(own.get(key))
 
-    try:
-        return await off_loop(get, None if remaining is None else remaining + 1.0, what)  # type: ignore[no-any-return]
-    except SyncTimeoutError:
-        raise SyncTimeoutError(what, {}, limit) from None
-    except AsyncSyncError:
-        raise
-    except Exception as exc:  # DistStoreError: the wait timed out in the store, or it went away
-        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            raise SyncTimeoutError(what, {}, limit) from None
-        raise BrokenChannelError(f"{what}: {exc}") from None
+    return await _wait_job(_STORE_CALLS.start(get), None if remaining is None else remaining + 1.0, what, limit)  # type: ignore[no-any-return]
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -220,7 +220,7 @@ class DistSender(SenderCore[WorkerId, RemoteWorker]):
                 await asyncio.gather(*tasks, return_exceptions=True)
             self._tasks = []
             await self._table.aclose()
-            self._xfer.close()
+            await self._xfer.aclose()
             self._store = None
 
     # ----------------------------------------------------------------- sends

@@ -177,12 +177,12 @@ class Transfers:
                 del h.pending[key]
         h.pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         """Drop the group and every snapshot (the pump and the transfers are ended already)."""
         if self.group is not None:
             self.group.close()
             self.group = None
-        self._copier.close()
+        await self._copier.aclose()
         self.bufs = []
         self.store = None
         for h in self._hosts.values():

@@ -1,4 +1,4 @@
-"""Async wrappers around multiprocessing pipes and queues.
+"""AsyncQueue: ``await put`` / ``await get`` over a multiprocessing pipe or queue.
 
 Waiting is readiness of the underlying file descriptor in the event loop
 (:func:`anyio.wait_readable`, or a reader callback that stays registered for the scheme's
@@ -6,11 +6,10 @@ own channels), never a thread parked in a blocking ``get()``: such a
 thread cannot be cancelled and would swallow the next message. A cancelled or
 timed-out :meth:`AsyncQueue.get` therefore loses nothing.
 
-Over a ``Connection`` nothing ever blocks the loop: reads take what the kernel holds
-and keep a partial message until the rest arrives; writes go to a bounded buffer that
-the loop flushes when the descriptor becomes writable. The framing is the one of
-``Connection.send``/``recv`` (a 4-byte big-endian length, or ``-1`` and an 8-byte one,
-then the pickle), so either end may be a plain ``Connection``.
+Over a ``Connection`` the work is done by :class:`~._pipe.FramedPipe` (non-blocking
+reads and buffered writes, in ``Connection``'s own framing, so either end may be a
+plain ``Connection``); over a ``multiprocessing.Queue`` by a small adapter with the same
+calls. This module is the public face over both.
 
 Example::
 
@@ -23,116 +22,25 @@ Example::
 
 from __future__ import annotations
 
-import array
-import asyncio
-import fcntl
-import os
 import queue as _queue
-import select
-import socket
-import stat
-import struct
-import time
-from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue as _MPQueue
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
 
-from .._errors import BrokenChannelError, ClosedError, WouldBlock, format_seconds
+from .._errors import BrokenChannelError, ClosedError, WouldBlock
+from ._framing import EMPTY
+from ._pipe import DEFAULT_MAX_BUFFER, FDS_NEED_SOCKET, FdEnd, FramedPipe
 
 __all__ = ["AsyncQueue"]
 
 T = TypeVar("T")
 
-DEFAULT_MAX_BUFFER = 16 * 1024 * 1024
-"""Default high-water mark of the write buffer, in bytes."""
+_RAW_NEEDS_PIPE = "raw bytes travel only over a Connection (a multiprocessing Queue pickles)"
 
-_READ_CHUNK = 256 * 1024  # bytes asked of the kernel per read
-_SMALL_FRAME = 16 * 1024  # header and payload up to this size go out as one buffer
-_IOV_MAX = 64  # buffers gathered into one sendmsg
-_SCM_MAX_FD = 253  # Linux: most descriptors one SCM_RIGHTS message carries
-_ANC_SPACE = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
-_RECV_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
-_SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
-_FDS_TIMEOUT = 10.0  # how long recv_fds waits for descriptors announced by a message
-_CLOSE_FLUSH_TIMEOUT = 1.0  # how long aclose tries to flush what is buffered
-_HEADER = struct.Struct("!i")
-_LONG_HEADER = struct.Struct("!iQ")
-_LONG_SIZE = struct.Struct("!Q")
-_EMPTY: Any = object()  # "no complete message yet"
-
-
-def _frame_header(size: int) -> bytes:
-    """The length header ``Connection.send`` writes before a payload of *size* bytes."""
-    if size > 0x7FFFFFFF:
-        return _LONG_HEADER.pack(-1, size)
-    return _HEADER.pack(size)
-
-
-class _BorrowedSocket(socket.socket):
-    """A socket object over a descriptor it does not own: it never closes it, not even when collected."""
-
-    __slots__ = ()
-
-    def __del__(self) -> None:
-        self.detach()
-
-
-class _FdBatch:
-    """Descriptors waiting in the write buffer: one marker byte with SCM_RIGHTS."""
-
-    __slots__ = ("fds",)
-
-    def __init__(self, fds: list[int]) -> None:
-        self.fds = fds
-
-    def close(self) -> None:
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds = []
-
-
-_Pending = memoryview | bytes | _FdBatch
-
-
-
-# uvloop (libuv) makes a descriptor non-blocking when it starts polling it; the flag lives
-# on a file description other processes may share, so it is put back (reads and writes
-# here pass MSG_DONTWAIT and never rely on it). asyncio's own loops leave flags alone.
-def _flags_to_keep(loop: asyncio.AbstractEventLoop, fd: int) -> int | None:
-    if isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
-        return None
-    try:
-        return fcntl.fcntl(fd, fcntl.F_GETFL)
-    except OSError:
-        return None
-
-
-def _restore_flags(fd: int, flags: int | None) -> None:
-    if flags is None:
-        return
-    try:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) != flags:
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-    except OSError:
-        pass  # closed meanwhile
-
-
-async def _wait_readable(fd: int) -> None:
-    """``anyio.wait_readable``, leaving *fd*'s flags as they were once it returns."""
-    flags = _flags_to_keep(asyncio.get_running_loop(), fd)
-    try:
-        await anyio.wait_readable(fd)
-    finally:
-        _restore_flags(fd, flags)
 
 class AsyncQueue(Generic[T]):
     """``await put`` / ``await get`` over a multiprocessing ``Connection`` or ``Queue``.
@@ -167,57 +75,13 @@ class AsyncQueue(Generic[T]):
         if max_buffer < 0:
             raise ValueError(f"max_buffer must be >= 0, got {max_buffer}")
         self._endpoint = endpoint
-        self._max_buffer = max_buffer
-        self._conn: Connection | None
-        self._sock: socket.socket | None = None
-        self._poller: Any = None  # select.poll on the descriptor, POLLIN (readable pipes)
-        self._wpoller: Any = None  # select.poll on the descriptor, POLLOUT (writable pipes)
+        self._end: FramedPipe | _QueueEnd
         if isinstance(endpoint, Connection):
-            self._conn = endpoint
-            self._fd = endpoint.fileno()
-            if stat.S_ISSOCK(os.fstat(self._fd).st_mode):
-                self._sock = self._borrow_socket(self._fd)
-            else:
-                self._poller = select.poll()
-                self._poller.register(self._fd, select.POLLIN)
-                self._wpoller = select.poll()
-                self._wpoller.register(self._fd, select.POLLOUT)
+            self._end = FramedPipe(endpoint, max_buffer=max_buffer)
         elif isinstance(endpoint, _MPQueue):
-            self._conn = None
-            self._fd = endpoint._reader.fileno()  # type: ignore[attr-defined]
+            self._end = _QueueEnd(endpoint, max_buffer)
         else:
             raise TypeError(f"expected a multiprocessing Connection or Queue, got {type(endpoint).__name__}")
-        self._closed = False  # refuses calls (set by close and at the start of aclose)
-        self._released = False  # the descriptor is closed
-        # Reading: bytes read ahead, descriptor batches received, end of stream.
-        self._rbuf = bytearray()
-        self._scratch: memoryview | None = None
-        self._fd_batches: deque[list[int]] = deque()
-        self._eof = False
-        self._read_error: OSError | None = None
-        # Writing: frames and descriptor batches not yet written, in order.
-        self._wq: deque[_Pending] = deque()
-        self._wbytes = 0
-        self._writer_loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._broken: OSError | None = None
-        # Listening: frames handed to a callback straight from the loop's reader callback.
-        self._listener: tuple[Callable[[bytes], bool], Callable[[Exception], None]] | None = None
-        self._listen_loop: asyncio.AbstractEventLoop | None = None
-
-    @staticmethod
-    def _borrow_socket(fd: int) -> socket.socket:
-        """A socket object on *fd* (family and type read from it) that leaves its flags as they were."""
-        if socket.getdefaulttimeout() is None:
-            return _BorrowedSocket(fileno=fd)
-        # The constructor would apply the global timeout, that is O_NONBLOCK on a file
-        # description other processes share: keep the socket object in blocking mode
-        # (one attempt per call; MSG_DONTWAIT says when not to wait) and restore the flags.
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        sock = _BorrowedSocket(fileno=fd)
-        sock.settimeout(None)
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-        return sock
 
     @property
     def endpoint(self) -> Connection | _MPQueue[Any]:
@@ -227,12 +91,12 @@ class AsyncQueue(Generic[T]):
     @property
     def max_buffer(self) -> int:
         """High-water mark of the write buffer: ``put_nowait`` refuses while more bytes wait."""
-        return self._max_buffer
+        return self._end.max_buffer
 
     @property
     def write_buffer_size(self) -> int:
         """Bytes accepted by ``put``/``send_fds`` but not yet written to the pipe."""
-        return self._wbytes
+        return self._end.write_buffer_size
 
     def fileno(self) -> int:
         """The descriptor that becomes readable when more bytes arrive.
@@ -240,11 +104,7 @@ class AsyncQueue(Generic[T]):
         A hint only: messages already read ahead wait in the queue without making it
         readable, so try :meth:`get_nowait` first.
         """
-        return self._fd
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the queue was closed")
+        return self._end.fileno()
 
     # ------------------------------------------------------------------ reading
 
@@ -254,7 +114,10 @@ class AsyncQueue(Generic[T]):
         Raises :class:`BrokenChannelError` once the other end is gone and every complete
         message that arrived before has been returned.
         """
-        return self._get_nowait(raw=False)  # type: ignore[no-any-return]
+        msg = self._end.try_get(False)
+        if msg is EMPTY:
+            raise WouldBlock
+        return msg  # type: ignore[no-any-return]
 
     async def get(self, timeout: float | None = None) -> T:
         """Wait for the next message; raise :class:`TimeoutError` after *timeout* seconds.
@@ -271,199 +134,42 @@ class AsyncQueue(Generic[T]):
         writes with :meth:`put_bytes_nowait` (or ``Connection.send_bytes``). ``Connection``
         endpoints only (a ``Queue`` pickles everything).
         """
-        return self._get_nowait(raw=True)  # type: ignore[no-any-return]
+        msg = self._end.try_get(True)
+        if msg is EMPTY:
+            raise WouldBlock
+        return msg  # type: ignore[no-any-return]
 
     async def get_bytes(self, timeout: float | None = None) -> bytes:
         """Wait for the next frame's bytes (no unpickling); cancel-safe, like :meth:`get`."""
         return await self._get(True, timeout)  # type: ignore[no-any-return]
 
-    def _get_nowait(self, raw: bool) -> Any:
-        msg = self._try_get(raw)
-        if msg is _EMPTY:
-            raise WouldBlock
-        return msg
-
     async def _get(self, raw: bool, timeout: float | None) -> Any:
-        msg = self._try_get(raw)
-        if msg is not _EMPTY:
+        msg = self._end.try_get(raw)
+        if msg is not EMPTY:
             return msg
         if timeout is None:  # the hot path of every reader: no cancel scope to set up
             return await self._wait_and_get(raw)
         with anyio.fail_after(timeout):
             return await self._wait_and_get(raw)
 
-    async def _wait_and_get(self, raw: bool = False) -> Any:
+    async def _wait_and_get(self, raw: bool) -> Any:
+        end = self._end
         while True:
-            try:
-                await _wait_readable(self._fd)
-            except anyio.ClosedResourceError:
-                raise ClosedError("the queue was closed") from None
-            msg = self._try_get(raw)
-            if msg is not _EMPTY:
+            await end.wait_readable()
+            msg = end.try_get(raw)
+            if msg is not EMPTY:
                 return msg
-
-    def _try_get(self, raw: bool = False) -> Any:
-        """The next message (its bytes if *raw*), or ``_EMPTY``; never blocks."""
-        self._check_open()
-        if self._conn is None:
-            if raw:
-                raise TypeError("raw bytes travel only over a Connection (a multiprocessing Queue pickles)")
-            try:
-                return self._endpoint.get_nowait()  # type: ignore[union-attr]
-            except _queue.Empty:
-                return _EMPTY
-            except (EOFError, OSError) as exc:
-                raise BrokenChannelError("the queue's writer is gone") from exc
-        msg = self._parse(raw)
-        if msg is not _EMPTY:
-            return msg
-        while self._fill():
-            msg = self._parse(raw)
-            if msg is not _EMPTY:
-                return msg
-        if self._eof or self._broken is not None:
-            self._raise_broken()
-        return _EMPTY
-
-    def _parse(self, raw: bool = False) -> Any:
-        """Unpickle (or with *raw* copy out) the first frame of the read buffer if it is complete, else ``_EMPTY``."""
-        buf = self._rbuf
-        have = len(buf)
-        if have < 4:
-            return _EMPTY
-        (size,) = _HEADER.unpack_from(buf)
-        start = 4
-        if size < 0:
-            if size != -1:
-                self._eof = True
-                raise BrokenChannelError(f"corrupt message header (length {size})")
-            if have < 12:
-                return _EMPTY
-            (size,) = _LONG_SIZE.unpack_from(buf, 4)
-            start = 12
-        end = start + size
-        if have < end:
-            return _EMPTY
-        view = memoryview(buf)[start:end]
-        try:
-            return bytes(view) if raw else ForkingPickler.loads(view)
-        finally:  # the frame is consumed even if it does not unpickle, as with Connection.recv
-            view.release()
-            del buf[:end]
-
-    def _fill(self) -> int:
-        """Read what the kernel holds now (one read); return the byte count, 0 if none or at the end."""
-        if self._eof:
-            return 0
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(_READ_CHUNK))
-        scratch = self._scratch
-        if self._sock is None and not self._conn.readable:  # type: ignore[union-attr]
-            raise OSError("connection is write-only")
-        try:
-            if self._sock is not None:
-                n, ancdata, flags, _addr = self._sock.recvmsg_into((scratch,), _ANC_SPACE, _RECV_FLAGS)
-                if ancdata:
-                    self._take_ancillary(ancdata, flags)
-            else:
-                if not self._poller.poll(0):
-                    return 0
-                n = os.readv(self._fd, (scratch,))
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            if self._closed:
-                raise ClosedError("the queue was closed") from exc
-            self._eof = True
-            self._read_error = exc
-            return 0
-        if n == 0:
-            self._eof = True
-            return 0
-        self._rbuf += scratch[:n]
-        return n
-
-    def _take_ancillary(self, ancdata: list[tuple[int, int, bytes]], flags: int) -> None:
-        fds = array.array("i")
-        for level, kind, data in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-        batch = list(fds)
-        if flags & socket.MSG_CTRUNC:
-            batch.append(-1)  # descriptors were dropped: recv_fds will refuse this batch
-        self._fd_batches.append(batch)
-
-    def _raise_broken(self) -> None:
-        if self._read_error is not None:
-            raise BrokenChannelError(f"the pipe broke: {self._read_error}") from self._read_error
-        if self._eof:
-            if self._rbuf:
-                raise BrokenChannelError("the other end of the pipe closed in the middle of a message")
-            raise BrokenChannelError("the other end of the pipe is closed")
-        raise BrokenChannelError(f"the pipe broke: {self._broken}") from self._broken
-
-    # ------------------------------------------------------------------ listening
 
     def _listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
-        """Hand each raw frame to *on_frame* from the running loop's reader callback.
-
-        The fast path of the scheme's own channels: no task wakes up and the descriptor
-        stays registered with the selector between messages (``get`` registers it for each
-        wait). *on_frame* returns False to stop listening after that frame; the frames
-        behind it stay buffered for ``get_bytes``/``receive_fds`` or a later ``_listen``.
-        *on_end* gets the exception that ended listening: :class:`BrokenChannelError` at
-        the end of the stream, :class:`ClosedError` when the queue is closed, or what
-        *on_frame* raised. Frames already buffered are handed over before this returns.
-        Only one reader at a time: do not ``get`` while listening.
-        """
-        if self._conn is None:
-            raise TypeError("listening needs a Connection (a multiprocessing Queue pickles)")
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        self._listener = (on_frame, on_end)
-        self._hand_over(fill=False)
-        if self._listener is not None:
-            flags = _flags_to_keep(loop, self._fd)
-            loop.add_reader(self._fd, self._hand_over, True)
-            _restore_flags(self._fd, flags)
-            self._listen_loop = loop
+        """:meth:`FramedPipe.listen <._pipe.FramedPipe.listen>`: the scheme's own channels
+        read frames from the loop's reader callback. Do not ``get`` while listening."""
+        self._end.listen(on_frame, on_end)
 
     def _unlisten(self) -> None:
         """Stop listening (idempotent); buffered frames stay for the next reader."""
-        self._listener = None
-        loop, self._listen_loop = self._listen_loop, None
-        if loop is not None and not loop.is_closed():
-            loop.remove_reader(self._fd)
-
-    def _hand_over(self, fill: bool) -> None:
-        listener = self._listener
-        if listener is None:
-            return
-        on_frame, on_end = listener
-        try:
-            if fill:
-                self._fill()  # one read: the level-triggered selector calls again while bytes wait
-            while self._listener is listener:
-                data = self._parse(True)
-                if data is _EMPTY:
-                    if self._eof or self._read_error is not None:
-                        self._raise_broken()
-                    return
-                if not on_frame(data):
-                    if self._listener is listener:  # unless on_frame listened anew
-                        self._unlisten()
-                    return
-        except Exception as exc:
-            if self._listener is listener:
-                self._unlisten()
-                on_end(exc)
+        self._end.unlisten()
 
     # -------------------------------------------------------------- descriptors
-
-    def _require_socket(self) -> socket.socket:
-        if self._sock is None or self._sock.family != socket.AF_UNIX:
-            raise TypeError("file descriptors pass only over a duplex Pipe (a Unix socket)")
-        return self._sock
 
     def send_fds(self, fds: list[int]) -> None:
         """Pass file descriptors to the peer (Unix socket pipes only, SCM_RIGHTS).
@@ -474,24 +180,7 @@ class AsyncQueue(Generic[T]):
         duplicated, so the caller may close its own at once. Never raises
         :class:`WouldBlock`: the high-water mark does not apply here.
         """
-        self._check_open()
-        self._require_socket()
-        if not fds:
-            return
-        if len(fds) > _SCM_MAX_FD:
-            raise ValueError(f"at most {_SCM_MAX_FD} descriptors at a time, got {len(fds)}")
-        if self._broken is not None:
-            self._raise_broken()
-        batch = _FdBatch([])
-        try:
-            for fd in fds:
-                batch.fds.append(os.dup(fd))
-        except BaseException:
-            batch.close()
-            raise
-        self._wq.append(batch)
-        self._wbytes += 1
-        self._start_flush()
+        self._end.send_fds(fds)
 
     def recv_fds(self, count: int) -> list[int]:
         """Receive *count* descriptors sent with :meth:`send_fds`, right after the message announcing them.
@@ -500,58 +189,14 @@ class AsyncQueue(Generic[T]):
         already; otherwise this blocks (at most 10 s, then :class:`BrokenChannelError`).
         In a task prefer :meth:`receive_fds`, which waits in the event loop.
         """
-        self._check_open()
-        if count == 0:
-            return []
-        self._require_socket()
-        deadline: float | None = None
-        while not self._fd_batches:
-            if self._fill():
-                continue
-            if self._eof:
-                self._raise_broken()
-            if deadline is None:
-                deadline = time.monotonic() + _FDS_TIMEOUT
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BrokenChannelError(f"the {count} announced file descriptors did not arrive within {format_seconds(_FDS_TIMEOUT)}")
-            poller = select.poll()
-            poller.register(self._fd, select.POLLIN)
-            poller.poll(max(1, int(remaining * 1000)))
-        return self._take_fds(count)
+        return self._end.recv_fds(count)
 
     async def receive_fds(self, count: int) -> list[int]:
         """Like :meth:`recv_fds`, but waits in the event loop; cancel-safe.
 
         Uses the reader's descriptor wait: call it from the task that reads.
         """
-        await anyio.lowlevel.checkpoint()
-        self._check_open()
-        if count == 0:
-            return []
-        self._require_socket()
-        while not self._fd_batches:
-            if self._fill():
-                continue
-            if self._eof:
-                self._raise_broken()
-            try:
-                await _wait_readable(self._fd)
-            except anyio.ClosedResourceError:
-                raise ClosedError("the queue was closed") from None
-            self._check_open()
-        return self._take_fds(count)
-
-    def _take_fds(self, count: int) -> list[int]:
-        batch = self._fd_batches.popleft()
-        marker = self._rbuf[0] if self._rbuf else None
-        del self._rbuf[:1]
-        if len(batch) != count or marker != count % 256:
-            received = [fd for fd in batch if fd >= 0]
-            _FdBatch(received).close()
-            self._eof = True  # the stream is out of step: nothing after this can be trusted
-            raise BrokenChannelError(f"expected {count} file descriptors, got {len(received)}")
-        return batch
+        return await self._end.receive_fds(count)
 
     # ------------------------------------------------------------------ writing
 
@@ -564,17 +209,7 @@ class AsyncQueue(Generic[T]):
         nothing, while more than ``max_buffer`` bytes wait; a message of any size is
         accepted below the mark. Raises :class:`BrokenChannelError` once a write failed.
         """
-        self._check_open()
-        if self._conn is None:
-            try:
-                self._endpoint.put_nowait(item)  # type: ignore[union-attr]
-            except (BrokenPipeError, ConnectionError, EOFError) as exc:
-                raise BrokenChannelError("the other end of the pipe is closed") from exc
-            except ValueError as exc:  # multiprocessing raises ValueError on a closed queue
-                raise ClosedError(str(exc)) from exc
-            return
-        self._check_writable()
-        self._append_frame(ForkingPickler.dumps(item))
+        self._end.put_nowait(item)
 
     def put_bytes_nowait(self, data: bytes | bytearray | memoryview) -> None:
         """Send *data* as one frame, as it is (no pickling); :meth:`get_bytes` returns it.
@@ -583,44 +218,7 @@ class AsyncQueue(Generic[T]):
         :meth:`put_nowait`; the bytes are copied when they are accepted. ``Connection``
         endpoints only.
         """
-        self._check_open()
-        if self._conn is None:
-            raise TypeError("raw bytes travel only over a Connection (a multiprocessing Queue pickles)")
-        self._check_writable()
-        self._append_frame(data if type(data) is bytes else bytes(data))
-
-    def _check_writable(self) -> None:
-        """Raise unless a frame can be buffered now (broken, read-only, above the mark)."""
-        if self._broken is not None:
-            self._raise_broken()
-        if not self._conn.writable:  # type: ignore[union-attr]
-            raise OSError("connection is read-only")
-        if self._wbytes > self._max_buffer:
-            raise WouldBlock
-
-    def _append_frame(self, payload: bytes | memoryview) -> None:
-        size = len(payload)
-        if size <= _SMALL_FRAME:
-            frame: bytes | memoryview = _HEADER.pack(size) + payload
-            if not self._wq and self._sock is not None:
-                # Nothing queued: hand the frame to the kernel at once (every control message).
-                try:
-                    sent = self._sock.send(frame, _SEND_FLAGS)
-                except BlockingIOError:
-                    sent = 0
-                except OSError as exc:
-                    self._set_broken(exc)
-                    self._raise_broken()
-                if sent == len(frame):
-                    return
-                frame = memoryview(frame)[sent:]
-            self._wq.append(frame)
-            self._wbytes += len(frame)
-        else:
-            self._wq.append(_frame_header(size))
-            self._wq.append(payload)
-            self._wbytes += size + (4 if size <= 0x7FFFFFFF else 12)
-        self._start_flush()
+        self._end.put_bytes_nowait(data)
 
     async def put(self, item: T) -> None:
         """Send *item*, first waiting (in the loop) while more than ``max_buffer`` bytes are unwritten.
@@ -628,15 +226,7 @@ class AsyncQueue(Generic[T]):
         Cancel-safe: a cancelled ``put`` buffered either the whole message or nothing.
         """
         await anyio.lowlevel.checkpoint()
-        if self._conn is None:
-            self.put_nowait(item)
-            return
-        while True:
-            try:
-                self.put_nowait(item)
-                return
-            except WouldBlock:
-                await self._wait_written(self._max_buffer)
+        await self._end.put(item)
 
     async def flush(self) -> None:
         """Wait until everything accepted by ``put``/``send_fds`` is written to the pipe.
@@ -645,207 +235,96 @@ class AsyncQueue(Generic[T]):
         if the queue was closed first.
         """
         await anyio.lowlevel.checkpoint()
-        self._check_open()
-        if self._conn is None:
-            return
-        await self._wait_written(0)
-        if self._broken is not None:
-            self._raise_broken()
-        self._check_open()
-
-    def _start_flush(self) -> None:
-        """Write now what the kernel takes; leave the rest to the loop (or block if none runs)."""
-        if self._writer_loop is not None:
-            if not self._writer_loop.is_closed():
-                return  # waiting for writability already; the callback writes in order
-            self._writer_loop = None  # left by a loop that ended: write from here
-        try:
-            self._flush()
-        except OSError as exc:
-            self._set_broken(exc)
-            self._raise_broken()
-        if not self._wq:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._flush_blocking()
-            return
-        self._add_writer(loop)
-
-    def _flush(self) -> None:
-        """Write buffered entries while the kernel takes them; raise OSError when the pipe broke."""
-        q = self._wq
-        if self._sock is None:
-            fd = self._fd
-            poll = self._wpoller.poll
-            while q and poll(0):
-                head = q[0]
-                assert not isinstance(head, _FdBatch)
-                try:
-                    # At most PIPE_BUF bytes: a POLLOUT pipe takes that many without blocking.
-                    n = os.write(fd, head[: select.PIPE_BUF])
-                except BlockingIOError:
-                    return
-                self._consume(n)
-            return
-        sock = self._sock
-        while q:
-            head = q[0]
-            if isinstance(head, _FdBatch):
-                fds = array.array("i", head.fds)
-                try:
-                    sock.sendmsg((bytes((len(fds) % 256,)),), ((socket.SOL_SOCKET, socket.SCM_RIGHTS, fds),), _SEND_FLAGS)
-                except BlockingIOError:
-                    return
-                q.popleft()
-                self._wbytes -= 1
-                head.close()
-                continue
-            bufs: list[memoryview | bytes] = []
-            total = 0
-            for entry in q:
-                if isinstance(entry, _FdBatch) or len(bufs) == _IOV_MAX:
-                    break
-                bufs.append(entry)
-                total += len(entry)
-            try:
-                n = sock.sendmsg(bufs, (), _SEND_FLAGS)
-            except BlockingIOError:
-                return
-            self._consume(n)
-            if n < total:
-                return  # the kernel is full: the next try would only fail
-
-    def _consume(self, n: int) -> None:
-        self._wbytes -= n
-        q = self._wq
-        while n:
-            head = q[0]
-            assert not isinstance(head, _FdBatch)
-            size = len(head)
-            if size <= n:
-                q.popleft()
-                n -= size
-            else:
-                q[0] = memoryview(head)[n:]
-                n = 0
-
-    def _flush_blocking(self) -> None:
-        poller = select.poll()
-        poller.register(self._fd, select.POLLOUT)
-        while self._wq:
-            poller.poll()
-            try:
-                self._flush()
-            except OSError as exc:
-                self._set_broken(exc)
-                self._raise_broken()
-
-    def _add_writer(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._writer_loop is loop:
-            return
-        self._remove_writer()
-        flags = _flags_to_keep(loop, self._fd)
-        loop.add_writer(self._fd, self._on_writable)
-        _restore_flags(self._fd, flags)
-        self._writer_loop = loop
-
-    def _remove_writer(self) -> None:
-        loop, self._writer_loop = self._writer_loop, None
-        if loop is not None and not loop.is_closed():
-            loop.remove_writer(self._fd)
-
-    def _on_writable(self) -> None:
-        try:
-            self._flush()
-        except OSError as exc:
-            self._set_broken(exc)
-            return
-        if not self._wq:
-            self._remove_writer()
-        self._wake()
-
-    def _set_broken(self, exc: OSError) -> None:
-        if self._broken is None:
-            self._broken = exc
-        self._drop_pending()
-
-    def _drop_pending(self) -> None:
-        self._remove_writer()
-        for entry in self._wq:
-            if isinstance(entry, _FdBatch):
-                entry.close()
-        self._wq.clear()
-        self._wbytes = 0
-        self._wake()
-
-    def _wake(self) -> None:
-        """Resolve the waiters whose condition now holds (all of them once broken or closed)."""
-        if not self._waiters:
-            return
-        done = self._broken is not None or self._released
-        for threshold, fut in self._waiters:
-            if (done or self._wbytes <= threshold) and not fut.done():
-                fut.set_result(None)
-
-    async def _wait_written(self, threshold: int) -> None:
-        """Wait until at most *threshold* bytes are unwritten (or the queue broke or was closed)."""
-        while self._wbytes > threshold and self._broken is None and not self._released:
-            loop = asyncio.get_running_loop()
-            self._add_writer(loop)  # a no-op unless the bytes were left by another loop
-            entry = (threshold, loop.create_future())
-            self._waiters.append(entry)
-            try:
-                await entry[1]
-            finally:
-                self._waiters.remove(entry)
+        await self._end.flush()
 
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
         """Close the endpoint now (idempotent); unwritten bytes are dropped."""
-        if self._released:
-            return
-        self._closed = True
-        self._released = True
-        self._end_listener()
-        try:
-            anyio.notify_closing(self._fd)  # a task waiting in get gets ClosedError
-        except Exception:  # no event loop, or no waiter registered: nothing to wake
-            pass
-        if self._conn is None:
-            q = self._endpoint
-            q.close()
-            q.join_thread()  # type: ignore[union-attr]
-            return
-        self._drop_pending()
-        while self._fd_batches:
-            _FdBatch([fd for fd in self._fd_batches.popleft() if fd >= 0]).close()
-        if self._sock is not None:
-            self._sock.detach()
-        self._conn.close()
-
-    def _end_listener(self) -> None:
-        listener = self._listener
-        if listener is not None:
-            self._unlisten()
-            listener[1](ClosedError("the queue was closed"))
+        self._end.close()
 
     async def aclose(self) -> None:
         """Close the endpoint (idempotent); a task waiting on it gets :class:`ClosedError`.
 
         First tries, for at most a second, to write what is still buffered.
         """
-        if not self._closed:
-            self._closed = True
-            self._end_listener()
-            try:
-                anyio.notify_closing(self._fd)
-            except Exception:  # no readiness waiter registered: nothing to wake
-                pass
-        if self._wq and not self._released and self._broken is None:
-            with anyio.move_on_after(_CLOSE_FLUSH_TIMEOUT, shield=True):
-                await self._wait_written(0)
+        await self._end.aclose()
+
+
+class _QueueEnd(FdEnd):
+    """A ``multiprocessing.Queue`` behind :class:`FramedPipe`'s calls: it pickles and
+    buffers by itself, so raw frames, descriptors and listening are refused."""
+
+    write_buffer_size = 0
+
+    def __init__(self, q: _MPQueue[Any], max_buffer: int) -> None:
+        self._q = q
+        self.max_buffer = max_buffer
+        self._fd = q._reader.fileno()  # type: ignore[attr-defined]
+        self._closed = False
+        self._released = False
+
+    def try_get(self, raw: bool) -> Any:
+        self.check_open()
+        if raw:
+            raise TypeError(_RAW_NEEDS_PIPE)
+        try:
+            return self._q.get_nowait()
+        except _queue.Empty:
+            return EMPTY
+        except (EOFError, OSError) as exc:
+            raise BrokenChannelError("the queue's writer is gone") from exc
+
+    def listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
+        raise TypeError("listening needs a Connection (a multiprocessing Queue pickles)")
+
+    def unlisten(self) -> None:
+        pass
+
+    def send_fds(self, fds: list[int]) -> None:
+        self.check_open()
+        raise TypeError(FDS_NEED_SOCKET)
+
+    def recv_fds(self, count: int) -> list[int]:
+        self.check_open()
+        if count == 0:
+            return []
+        raise TypeError(FDS_NEED_SOCKET)
+
+    async def receive_fds(self, count: int) -> list[int]:
+        await anyio.lowlevel.checkpoint()
+        return self.recv_fds(count)
+
+    def put_nowait(self, item: Any) -> None:
+        self.check_open()
+        try:
+            self._q.put_nowait(item)
+        except (BrokenPipeError, ConnectionError, EOFError) as exc:
+            raise BrokenChannelError("the other end of the pipe is closed") from exc
+        except ValueError as exc:  # multiprocessing raises ValueError on a closed queue
+            raise ClosedError(str(exc)) from exc
+
+    def put_bytes_nowait(self, data: bytes | bytearray | memoryview) -> None:
+        self.check_open()
+        raise TypeError(_RAW_NEEDS_PIPE)
+
+    async def put(self, item: Any) -> None:
+        self.put_nowait(item)
+
+    async def flush(self) -> None:
+        self.check_open()
+
+    def close(self) -> None:
+        if self._released:
+            return
+        self._closed = self._released = True
+        try:
+            anyio.notify_closing(self._fd)  # a task waiting in get gets ClosedError
+        except Exception:  # no event loop, or no waiter registered: nothing to wake
+            pass
+        self._q.close()
+        self._q.join_thread()
+
+    async def aclose(self) -> None:
         self.close()
         await anyio.lowlevel.checkpoint()

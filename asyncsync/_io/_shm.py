@@ -46,6 +46,16 @@ class Segment:
         seg.close_fd()
         return seg
 
+    def share(self, nbytes: int) -> torch.Tensor:
+        """A new uint8 tensor over the first *nbytes*, with a storage object of its own.
+
+        Like ``buf`` it keeps the mapping alive while something views it; its storage can
+        be handed over (``_swap_data_ptr_``) without touching ``buf``'s.
+        """
+        if self._mmap is None:
+            raise ValueError("the segment is closed")
+        return torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes)
+
     def close_fd(self) -> None:
         """Close the descriptor; the mapping stays valid."""
         if self.fd is not None:

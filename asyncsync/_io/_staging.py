@@ -1,6 +1,9 @@
 """Copies that stage weights on a worker's device without stalling its event loop.
 
-CPU copies above a threshold run in a thread (torch releases the GIL while copying).
+CPU copies above a threshold run in the staging thread (torch releases the GIL while
+copying), under :mod:`asyncsync._core._offload`'s rule: a cancelled caller leaves at once,
+the copy runs to its end, the next one starts after it, and :meth:`Stager.close` waits
+for it before anything it reads or writes is unregistered or unmapped.
 CUDA copies are issued non-blocking on a side stream (from page-locked memory when the
 source is registered with CUDA) and their completion is awaited by polling a CUDA event
 from the loop: the loop thread never calls ``torch.cuda.synchronize()``.
@@ -11,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
+
+from .._core._offload import Offload
 
 __all__ = ["Stager", "copy_tensors", "device_problem", "stream_done"]
 
@@ -107,7 +111,7 @@ class Stager:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._executor: ThreadPoolExecutor | None = None
+        self._thread = Offload("asyncsync-stage")
         self._stream: torch.cuda.Stream | None = None
         self._registered: dict[int, int] = {}
 
@@ -123,18 +127,7 @@ class Stager:
 
     async def run(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``: inline when small, in the staging thread when *nbytes* is large."""
-        if nbytes < THREAD_BYTES:
-            return fn(*args)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-stage")
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        # The thread cannot be interrupted: even when cancelled, wait for it to finish
-        # so no buffer is being written once this coroutine has returned or raised.
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+        return await self._thread.run(fn, *args, inline=nbytes < THREAD_BYTES)
 
     async def pin(self, buffer: torch.Tensor) -> None:
         """Page-lock a shared CPU buffer so host-to-device copies are truly asynchronous
@@ -170,9 +163,10 @@ class Stager:
         await stream_done(stream)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)  # a copy or registration still running ends first
-            self._executor = None
+        self._thread.close()  # a copy or registration still running ends first
+        if self._stream is not None:
+            # a device copy whose caller left may still read a slot: done before it is unregistered
+            self._stream.synchronize()
         for ptr in list(self._registered):
             with torch.cuda.device(self.device):
                 cudart()[1](ptr)

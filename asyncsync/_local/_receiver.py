@@ -37,6 +37,7 @@ from .._io._staging import Stager, copy_tensors, device_problem
 from .._options import DEFAULT, UseDefault, resolve_timeout
 from .._stats import ReceiverStatistics
 from .._wire._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
+from ._bucket import SlotBucket
 from ._faults import installed as _installed_faults
 
 __all__ = ["Receiver"]
@@ -105,6 +106,7 @@ class Receiver:
         self._targets: dict[str, torch.Tensor] = {}
         self._roles: BufferRoles | None = None
         self._reads_slot = False
+        self._bucket: SlotBucket | None = None  # swap commits from slots: one storage swap
         self._slot_versions: list[int] = []
         self._device = torch.device("cpu")
         self._inference = False  # the model holds inference tensors (built under inference_mode)
@@ -350,6 +352,7 @@ class Receiver:
         self._layout = msg.layout
         self._layout_error = None
         self._slot_views.clear()
+        self._bucket = None
         if self.model is None:
             self._layout_error = "the worker has no model to apply weights to"
             return
@@ -399,6 +402,8 @@ class Receiver:
             and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
             and not (inference and self.commit_kind == "swap")
         )
+        if self._reads_slot and self.commit_kind == "swap" and SlotBucket.usable(msg.layout, targets.values()):
+            self._bucket = SlotBucket(msg.layout, list(targets.values()))
         # Reading straight from slots, no private set is ever staged into: the model's own
         # initial tensors are freed at the first swap instead of being kept for reuse.
         # (Nor can a set holding overlapping memory be staged into: the model's own, with
@@ -550,6 +555,12 @@ class Receiver:
         targets = self._targets
         tensors = staged.tensors
         if self.commit_kind == "swap":
+            if self._bucket is not None and staged.slot is not None:
+                # the whole model in one storage swap, or views of a fresh storage to arrange it
+                bucket_views = self._bucket.commit(self._segments[staged.slot])
+                if bucket_views is None:
+                    return
+                tensors = bucket_views
             done: list[torch.Tensor] = []
             key = ""
             try:

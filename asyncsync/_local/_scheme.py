@@ -33,12 +33,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._core._deadline import Deadline
 from .._core._source import configured_source
 from .._core._strategy import Strategy, as_user_weights, resolve_model, to_flat
 from .._io._slots import SlotPool
 from .._io._staging import device_problem
 from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
 from .._stats import ReceiverStatistics, SenderStatistics
+from ._attach import Listener, WorkerAddress, adopt_into, dial, placeholder_connection
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
 from ._sender import Sender
 
@@ -136,11 +138,13 @@ class MultiProcessWeightSyncScheme:
         self._endpoints: dict[int, Connection] = {}
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
+        self._listener: Listener | None = None  # trainer: workers attaching by address
+        self._attach: tuple[WorkerAddress, int] | None = None  # worker: where to attach, as whom
 
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_sender", "_receiver")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_sender", "_receiver", "_listener")}
         ends = self._sender.child_endpoints() if self._sender is not None else dict(self._endpoints)
         state["_endpoints"] = {i: _Endpoint(c) for i, c in ends.items()}
         return state
@@ -150,6 +154,7 @@ class MultiProcessWeightSyncScheme:
         self.__dict__.update(state)
         self._sender = None
         self._receiver = None
+        self._listener = None
 
     # ------------------------------------------------------------------ sender side
 
@@ -288,6 +293,77 @@ class MultiProcessWeightSyncScheme:
             raise ValueError(f"worker ids must be distinct and non-empty, got {ids}")
         return ids
 
+    async def listen(self, path: str | None = None, token: str | bytes | None = None) -> WorkerAddress:
+        """Trainer: accept workers that attach by address (processes asyncsync did not start).
+
+        Listens on the Unix socket *path* (``"@name"``: a Linux abstract socket; None: a
+        fresh private directory). *token* is the shared secret (None: ``ASYNCSYNC_TOKEN``,
+        else a random one). Returns the :class:`WorkerAddress` to hand to the workers
+        (``str(address)`` or ``address.env()``); each calls :meth:`attach` with it. Call it
+        before ``connect()`` (which waits for every worker) or later; it accepts until
+        :meth:`aclose`, which removes the socket file. A restarted worker attaches again.
+
+        Example::
+
+            scheme.init_on_sender(model=policy, num_workers=2)
+            address = await scheme.listen()
+            start_my_workers(env=address.env())   # each: MultiProcessWeightSyncScheme.attach()
+            async with scheme:                    # waits for both to attach and ack version 0
+                await scheme.send()
+        """
+        sender = self.sender
+        if self._listener is not None:
+            raise RuntimeError(f"this scheme already listens at {self._listener.address.path}")
+        options = {"strategy": self.strategy, "commit": self.commit_kind, "commit_mode": self.commit_mode, "timeout": self.timeout}
+        self._listener = await Listener.open(sender, options, path, token)
+        return self._listener.address
+
+    @property
+    def listener(self) -> Listener | None:
+        """Trainer: the socket workers attach to, after :meth:`listen` (``refused`` counts refusals)."""
+        return self._listener
+
+    @classmethod
+    def attach(
+        cls,
+        address: WorkerAddress | str | None = None,
+        *,
+        worker_idx: int,
+        timeout: float | None | UseDefault = DEFAULT,
+    ) -> MultiProcessWeightSyncScheme:
+        """Worker: a scheme that joins the trainer at *address* as worker *worker_idx*.
+
+        *address* is what the trainer's :meth:`listen` returned, or its string form (None:
+        ``ASYNCSYNC_ADDRESS``); it carries the token and the trainer's options. Then, as in
+        a worker started by ``spawn_workers``: ``init_on_receiver(model=...)`` and ``async
+        with scheme`` (``connect()`` attaches, retrying while nothing listens yet, within
+        *timeout*, by default the trainer's). Joining late, or again after a crash, the
+        worker gets the newest version first.
+
+        Example::
+
+            scheme = MultiProcessWeightSyncScheme.attach(sys.argv[1], worker_idx=0)
+            scheme.init_on_receiver(model=make_policy())
+            async with scheme:
+                await scheme.wait_stopped()
+        """
+        if isinstance(address, str):
+            address = WorkerAddress.from_string(address)
+        elif address is None:
+            address = WorkerAddress.from_env()
+        elif not isinstance(address, WorkerAddress):
+            raise TypeError(f"address must be a WorkerAddress or its string form, got {type(address).__name__}")
+        if not isinstance(worker_idx, int) or isinstance(worker_idx, bool) or worker_idx < 0:
+            raise ValueError(f"worker_idx must be a non-negative int, got {worker_idx!r}")
+        scheme = cls(
+            strategy=address.strategy,  # type: ignore[arg-type]
+            timeout=address.timeout if isinstance(timeout, UseDefault) else timeout,
+            commit=address.commit,  # type: ignore[arg-type]
+            commit_mode=address.commit_mode,  # type: ignore[arg-type]
+        )
+        scheme._attach = (address, worker_idx)
+        return scheme
+
     # ------------------------------------------------------------------ receiver side
 
     def init_on_receiver(
@@ -295,7 +371,7 @@ class MultiProcessWeightSyncScheme:
         model_id: str | None = None,
         context: Any = None,
         *,
-        worker_idx: int,
+        worker_idx: int | None = None,
         model: nn.Module | None = None,
         on_update: OnUpdate | None = None,
         device: torch.device | str | None = None,
@@ -307,7 +383,8 @@ class MultiProcessWeightSyncScheme:
         so is ``on_update(weights, version)`` (sync or async). *device* overrides the
         device chosen on the sender (``devices`` / ``params_map`` / ``device_map_fn``);
         by default the model's own device. A device this process cannot use (CUDA where
-        there is none) raises :class:`ValueError` here.
+        there is none) raises :class:`ValueError` here. *worker_idx* is required, except
+        on a scheme made by :meth:`attach` (which names it already).
         """
         if self._sender is not None and not self._sender.in_owner_process():
             raise RuntimeError(
@@ -324,6 +401,13 @@ class MultiProcessWeightSyncScheme:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if device is not None:
             _check_device(torch.device(device), f"worker {worker_idx}")
+        if self._attach is not None:
+            if worker_idx is not None and worker_idx != self._attach[1]:
+                raise ValueError(f"this scheme attaches as worker {self._attach[1]}, not {worker_idx}")
+            worker_idx = self._attach[1]
+            self._endpoints[worker_idx] = placeholder_connection()  # the socket lands behind it at connect()
+        if worker_idx is None:
+            raise TypeError("init_on_receiver() needs worker_idx=")
         conn = self._endpoints.pop(worker_idx, None)
         if conn is None:
             raise ValueError(f"no channel for worker {worker_idx}; this scheme carries workers {sorted(self._endpoints)}")
@@ -368,11 +452,19 @@ class MultiProcessWeightSyncScheme:
     async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Sender: send the initial weights and wait for every worker's ack.
         Worker: start the receiver task and wait for the initial weights. Returns the version."""
-        return await self._side().connect(timeout=timeout)
+        side = self._side()
+        if self._attach is not None and isinstance(side, Receiver) and side._state == "new":
+            address, idx = self._attach
+            deadline = Deadline(self.timeout if isinstance(timeout, UseDefault) else timeout)
+            adopt_into(await dial(address, idx, deadline.remaining()), side._queue.fileno())
+            timeout = deadline.remaining()
+        return await side.connect(timeout=timeout)
 
     async def aclose(self) -> None:
         """Sender: ``stop`` every receiver, wait for them, release every resource.
         Worker: end the receiver task. Idempotent."""
+        if self._listener is not None:
+            await self._listener.aclose()  # no worker joins a closing trainer
         if self._sender is not None:
             await self._sender.aclose()
         elif self._receiver is not None:

@@ -53,7 +53,7 @@ class _Link:
     """One connection (generation) to one worker: its channel, mapped slots and tasks (its
     answers are kept by the :class:`AckTracker`)."""
 
-    def __init__(self, generation: int, conn: Connection, child_conn: Connection) -> None:
+    def __init__(self, generation: int, conn: Connection, child_conn: Connection | None) -> None:
         self.generation = generation
         self.child_conn: Connection | None = child_conn
         self.queue: AsyncQueue[Any] = AsyncQueue(conn)
@@ -162,6 +162,35 @@ class Sender(SenderCore[int, "_Worker"]):
         w.links += 1
         w.link = _Link(w.links, ours, theirs)
         return w.link
+
+    def attach_refusal(self, idx: int) -> str | None:
+        """Why a process attaching by address cannot be worker *idx* now (None: it can)."""
+        if idx not in self._workers:
+            return f"worker {idx} is not one of the trainer's workers {sorted(self._workers)}"
+        if self._state in ("closing", "closed"):
+            return "the trainer is closing"
+        w = self._workers[idx]
+        link = w.link
+        if link is not None and not link.lost and (link.pid is not None or link.child_conn is None):
+            pid = f" (pid {link.pid})" if link.pid is not None else ""
+            return f"worker {idx} is already connected{pid}; only one process can be worker {idx} at a time"
+        return None
+
+    def adopt_link(self, idx: int, conn: Connection) -> None:
+        """Make *conn* (an authenticated socket) worker *idx*'s next link, replacing the unused one."""
+        w = self._workers[idx]
+        old = w.link
+        if old is not None:
+            old.queue._unlisten()
+            for t in old.tasks:
+                t.cancel()
+            old.queue.close()
+            if old.child_conn is not None:
+                old.child_conn.close()
+        w.links += 1
+        w.link = _Link(w.links, conn, None)
+        if self._state == "running":
+            self._start_tasks(w, w.link, asyncio.get_running_loop())
 
     def in_owner_process(self) -> bool:
         """False in a child that inherited this sender by fork."""
@@ -448,7 +477,7 @@ class Sender(SenderCore[int, "_Worker"]):
                         w.link.child_conn.close()
                         w.link.child_conn = None
                 self._drop_sentinel(w)
-            self._copier.close()  # at most one copy still running
+            await self._copier.aclose()  # at most one copy still running
             self._pool.close()
 
     def __del__(self) -> None:

@@ -2,16 +2,16 @@
 
 Same channel and same kind of processes as the scheme's: N workers started with
 :func:`asyncsync.spawn_workers` (spawn), one ``multiprocessing`` spawn-context
-``Pipe(duplex=True)`` (a socketpair) per worker, :class:`asyncsync.AsyncQueue` on both
-ends, every end passed to every worker which keeps its own and closes the others (as the
-scheme's pickled endpoints are), ``torch.set_num_threads(1)`` in the workers. And the
-same machinery as the scheme's hot path: raw frames (no pickle), written with
-``put_bytes_nowait`` and handed over by the queue's reader callback (the descriptor stays
-registered with the loop's selector; no task wakes up per message on the worker). One
-echo: the trainer writes one 40-byte frame (about a ``Receive``) to every worker and
-awaits a future that the reader callbacks resolve once every reply is back; each worker
-writes every frame back from its reader callback. ``ECHO_WARMUP`` echoes, then
-``repeats`` timed ones.
+``Pipe(duplex=True)`` (a socketpair) per worker, the framed pipe under
+:class:`asyncsync.AsyncQueue` on both ends, every end passed to every worker which keeps
+its own and closes the others (as the scheme's pickled endpoints are),
+``torch.set_num_threads(1)`` in the workers. And the same machinery as the scheme's hot
+path: raw frames (no pickle), written with ``put_bytes_nowait`` and handed over by the
+pipe's reader callback (``listen``: the descriptor stays registered with the loop's
+selector; no task wakes up per message on the worker). One echo: the trainer writes one
+40-byte frame (about a ``Receive``) to every worker and awaits a future that the reader
+callbacks resolve once every reply is back; each worker writes every frame back from its
+reader callback. ``ECHO_WARMUP`` echoes, then ``repeats`` timed ones.
 
 A send of weights cannot take less than this unless it sends no message: it is the
 message and wake-up cost that dominates small models, as the one-copy floor is the data
@@ -27,7 +27,6 @@ import signal
 import statistics
 import time
 from multiprocessing.connection import Connection
-from typing import Any
 
 import anyio
 import torch
@@ -43,14 +42,14 @@ JOIN_TIMEOUT_S = 60.0
 
 async def echo_worker(worker_idx: int, ends: list[Connection]) -> int:
     """Send back every frame until an empty one (or the trainer's end closes); return how many."""
-    from asyncsync import AsyncQueue
+    from asyncsync._io._pipe import FramedPipe
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
     torch.set_num_threads(1)
     for i, other in enumerate(ends):
         if i != worker_idx:
             other.close()  # the other workers' ends (as the scheme's receiver does)
-    q: AsyncQueue[Any] = AsyncQueue(ends[worker_idx])
+    q = FramedPipe(ends[worker_idx])
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     echoed = 0
 
@@ -68,7 +67,7 @@ async def echo_worker(worker_idx: int, ends: list[Connection]) -> int:
             done.set_result(None)
 
     try:
-        q._listen(on_frame, on_end)
+        q.listen(on_frame, on_end)
         await done
     finally:
         await q.aclose()
@@ -81,14 +80,15 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
     Returns ``echo_ms`` (median), ``echo_p90_ms`` and ``echo_min_ms``.
     No process is left behind, also on errors and cancellation.
     """
-    from asyncsync import AsyncQueue, spawn_workers
+    from asyncsync import spawn_workers
+    from asyncsync._io._pipe import FramedPipe
 
     if workers < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"need workers >= 1, repeats >= 1, warmup >= 0; got {workers}, {repeats}, {warmup}")
     ctx = mp.get_context("spawn")
     pairs = [ctx.Pipe(duplex=True) for _ in range(workers)]
     theirs = [b for _, b in pairs]
-    queues: list[AsyncQueue[Any]] = [AsyncQueue(a) for a, _ in pairs]
+    queues = [FramedPipe(a) for a, _ in pairs]
     times: list[float] = []
     loop = asyncio.get_running_loop()
     replies: list[bytes] = []
@@ -109,7 +109,7 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
             for b in theirs:
                 b.close()  # each worker holds its own copy now: EOF will mean it is gone
             for q in queues:
-                q._listen(on_frame, on_end)
+                q.listen(on_frame, on_end)
             with anyio.fail_after(ECHO_TIMEOUT_S):
                 for step in range(warmup + repeats):
                     msg = step.to_bytes(8, "big") + ECHO_PAYLOAD
@@ -125,7 +125,7 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
                     if step >= warmup:
                         times.append((t1 - t0) / 1e6)
                 for q in queues:
-                    q._unlisten()
+                    q.unlisten()
                     q.put_bytes_nowait(b"")
                 for q in queues:
                     await q.flush()

@@ -36,7 +36,7 @@ _OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "asyncsync/_core/_offload.py", "asyncsync/_core/_source.py", "asyncsync/_core/_ownership.py", "asyncsync/_io/_slots.py",
                 "asyncsync/_core/_strategy.py", "asyncsync/_core/_signal.py", "asyncsync/_core/_flat.py")),
     ("receiver", ("asyncsync/_local/_receiver.py",)),
-    ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_wire/_protocol.py", "sendmsg", "recvmsg_into")),
+    ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_io/_pipe.py", "asyncsync/_io/_framing.py", "asyncsync/_wire/_protocol.py", "sendmsg", "recvmsg_into")),
     ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),
     ("torch copy", ("_foreach_copy_", "asyncsync/_io/_staging.py")),
 )

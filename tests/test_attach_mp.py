@@ -1,0 +1,321 @@
+"""Workers that attach by address: processes asyncsync did not start join as worker k.
+
+The workers here are plain programs (``python -m tests._attach_worker``) started with
+``asyncio.create_subprocess_exec``: they are never given the scheme object, only its
+address (on the command line or in ``ASYNCSYNC_ADDRESS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from asyncsync import (
+    AuthenticationError,
+    MultiProcessWeightSyncScheme,
+    SenderDiedError,
+    SyncTimeoutError,
+    WorkerAddress,
+    WorkerDiedError,
+)
+from tests.test_hygiene_mp import snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)  # each worker program imports torch on a busy machine
+
+
+def fill_(model: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+class Program:
+    """One worker program and the JSON events it prints."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    async def event(self, timeout: float = 60) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        assert line, f"the worker program ended (status {await self.proc.wait()}) without saying more"
+        return json.loads(line)
+
+    async def events_until(self, key: str) -> list[dict[str, Any]]:
+        out = []
+        while True:
+            out.append(await self.event())
+            if key in out[-1] or "error" in out[-1]:
+                return out
+
+
+@contextlib.asynccontextmanager
+async def programs() -> AsyncIterator[Any]:
+    """``start(idx, address, via_env=False)``; every program is waited for (killed if still running) on exit."""
+    started: list[Program] = []
+
+    async def start(idx: int, address: WorkerAddress | str, via_env: bool = False) -> Program:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.pop("ASYNCSYNC_ADDRESS", None)
+        args = [sys.executable, "-m", "tests._attach_worker", str(idx)]
+        if via_env:
+            assert isinstance(address, WorkerAddress)
+            env.update(address.env())
+        else:
+            args.append(str(address))
+        proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, env=env, cwd=str(ROOT))
+        started.append(Program(proc))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for p in started:
+            if p.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.proc.kill()
+            await p.proc.wait()
+
+
+async def test_programs_attach_by_address_and_receive_every_version() -> None:
+    model = nn.Linear(4, 4)
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    scheme.init_on_sender(model=model, num_workers=2)
+    fill_(model, 0.0)
+    address = await scheme.listen()
+    async with programs() as start:
+        workers = [await start(0, address), await start(1, address, via_env=True)]
+        async with scheme:  # waits for both programs to attach and apply version 0
+            for v in (1, 2, 3):
+                fill_(model, float(v))
+                assert await scheme.send() == v
+            assert scheme.sender.applied_versions() == {0: 3, 1: 3}
+        for w in workers:
+            events = await w.events_until("stopped")
+            assert events[-1] == {"stopped": 3}
+            seen = [(e["version"], e["values"]) for e in events if "version" in e]
+            assert seen == [(v, [float(v)]) for v in range(4)], "each version's weights, exactly as sent"
+            assert await w.proc.wait() == 0
+    assert not os.path.exists(address.path), "aclose removes the socket file"
+
+
+async def test_a_late_worker_gets_the_newest_version_first() -> None:
+    model = nn.Linear(4, 4)
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    scheme.init_on_sender(model=model, num_workers=1)
+    address = await scheme.listen()
+    scheme.sender.start()
+    try:
+        for v in range(4):  # versions 0..3 while nobody is attached
+            fill_(model, float(v))
+            assert await scheme.send_async() == v
+        async with programs() as start:
+            late = await start(0, address)
+            await scheme.sender.wait_joined(0, timeout=60)
+            first = await late.event()
+            assert first == {"version": 3, "values": [3.0]}, "the newest version, not version 0"
+            fill_(model, 4.0)
+            assert await scheme.send() == 4
+            await scheme.aclose()
+            assert [e for e in await late.events_until("stopped") if "version" in e] == [{"version": 4, "values": [4.0]}]
+    finally:
+        await scheme.aclose()
+
+
+async def test_a_wrong_token_is_refused_and_counted() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    address = await scheme.listen(token="the-real-one")
+    try:
+        import dataclasses
+
+        wrong = dataclasses.replace(address, token="a-guess")
+        async with programs() as start:
+            intruder = await start(0, wrong)
+            event = await intruder.event()
+            assert event["error"] == "AuthenticationError"
+            assert "refused" in event["message"] and "token" in event["message"] and address.path in event["message"]
+            assert await intruder.proc.wait() == 3
+        assert scheme.listener is not None and scheme.listener.refused == 1
+        # the index stays free: the right token still gets in (in this process this time)
+        worker = MultiProcessWeightSyncScheme.attach(str(address), worker_idx=0)
+        worker.init_on_receiver(model=nn.Linear(4, 4))
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await worker.aclose()
+    finally:
+        await scheme.aclose()
+
+
+async def test_an_unknown_or_taken_index_is_refused_naming_it() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=2)
+    address = await scheme.listen()
+    first = MultiProcessWeightSyncScheme.attach(address, worker_idx=1)
+    first.init_on_receiver(model=nn.Linear(4, 4))
+    try:
+        scheme.sender.start()
+        await scheme.send_async()
+        await first.connect()
+        second = MultiProcessWeightSyncScheme.attach(address, worker_idx=1)
+        second.init_on_receiver(model=nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=rf"worker 1 is already connected \(pid {os.getpid()}\)"):
+            await second.connect()
+        await second.aclose()
+        stranger = MultiProcessWeightSyncScheme.attach(address, worker_idx=7)
+        stranger.init_on_receiver(model=nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=r"worker 7 is not one of the trainer's workers \[0, 1\]"):
+            await stranger.connect()
+        await stranger.aclose()
+        assert scheme.listener is not None and scheme.listener.refused == 2
+        assert first.version == 0  # the connected worker was not disturbed
+    finally:
+        await first.aclose()
+        await scheme.aclose()
+
+
+async def test_attaching_where_nobody_listens_times_out_naming_the_address(tmp_path: Path) -> None:
+    path = str(tmp_path / "nobody.sock")
+    worker = MultiProcessWeightSyncScheme.attach(WorkerAddress(path, token="t"), worker_idx=0, timeout=0.3)
+    worker.init_on_receiver(model=nn.Linear(4, 4))
+    with pytest.raises(SyncTimeoutError, match=f"worker 0 attaching to the trainer at {path}"):
+        await worker.connect()
+    await worker.aclose()
+
+
+async def test_a_killed_program_is_named_dead_and_its_restart_reattaches() -> None:
+    model = nn.Linear(4, 4)
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    scheme.init_on_sender(model=model, num_workers=1)
+    address = await scheme.listen()
+    async with programs() as start:
+        worker = await start(0, address)
+        async with scheme:
+            assert (await worker.event())["version"] == 0
+            worker.proc.kill()
+            # no process is watched for an attached worker: its socket's end tells
+            await scheme.sender.wait_dead(0, timeout=30)
+            with pytest.raises(WorkerDiedError, match="worker 0") as info:
+                await scheme.send()
+            assert info.value.worker_idx == 0
+            restarted = await start(0, address)
+            await scheme.sender.wait_joined(0, timeout=60)
+            assert (await restarted.event())["version"] == scheme.version == 0  # the newest it lacks
+            fill_(model, 6.0)
+            version = await scheme.send()
+        events = await restarted.events_until("stopped")
+        assert events[-1] == {"stopped": version}
+        assert {"version": version, "values": [6.0]} in events
+
+
+async def test_an_attached_worker_sees_the_trainer_die() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    address = await scheme.listen(path="@asyncsync-test-" + os.urandom(6).hex())  # a Linux abstract socket
+    worker = MultiProcessWeightSyncScheme.attach(str(address), worker_idx=0)
+    worker.init_on_receiver(model=nn.Linear(4, 4))
+    try:
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await scheme.sender.aclose(stop=False)  # the channel ends without a Stop: as if the trainer died
+        with pytest.raises(SenderDiedError):
+            await asyncio.wait_for(worker.wait_stopped(), 30)
+    finally:
+        await worker.aclose()
+        await scheme.aclose()
+
+
+async def test_nothing_left_after_aclose_and_a_crash() -> None:
+    fds0, shm0, threads0 = snapshot()
+    model = nn.Linear(4, 4)
+    scheme = MultiProcessWeightSyncScheme(timeout=60, on_worker_error="skip")
+    scheme.init_on_sender(model=model, num_workers=2)
+    address = await scheme.listen()
+    socket_dir = os.path.dirname(address.path)
+    async with programs() as start:
+        workers = [await start(i, address) for i in range(2)]
+        async with scheme:
+            await scheme.send()
+            workers[1].proc.kill()  # a crash mid-life
+            await scheme.sender.wait_dead(1, timeout=30)
+            await scheme.send()
+        assert (await workers[0].events_until("stopped"))[-1] == {"stopped": 2}
+    assert not os.path.exists(socket_dir), "the private socket directory is removed"
+    fds1, shm1, threads1 = snapshot()
+    assert fds1 == fds0, f"descriptors left: {sorted(fds1 - fds0)}"
+    assert shm1 == shm0, f"/dev/shm entries left: {sorted(shm1 - shm0)}"
+    assert threads1 == threads0
+
+
+def test_the_address_round_trips_through_its_string_form() -> None:
+    address = WorkerAddress("/tmp/a b/trainer.sock", token="s3cr&t=x", commit_mode="manual", timeout=None)
+    assert WorkerAddress.from_string(str(address)) == address
+    assert WorkerAddress.from_env(address.env()) == address
+    assert "s3cr" not in repr(address)
+    with pytest.raises(ValueError, match="not a worker address"):
+        WorkerAddress.from_string("tcp://host:1")
+    with pytest.raises(ValueError, match="ASYNCSYNC_ADDRESS is not set"):
+        WorkerAddress.from_env({})
+
+
+async def test_the_example_runs() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "examples/attach_worker.py", "--workers", "1", "--steps", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=str(ROOT),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 110)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert "step 1: version 2 applied by {0: 2}" in text and "worker 0" in text and "stopped at version 2" in text
+
+
+async def test_queue_transport_passes_a_segment_per_message_over_the_socket() -> None:
+    model = nn.Linear(4, 4)
+    scheme = MultiProcessWeightSyncScheme(timeout=30, transport="queue")
+    scheme.init_on_sender(model=model, num_workers=1)
+    address = await scheme.listen()
+    local = nn.Linear(4, 4)
+    worker = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
+    worker.init_on_receiver(model=local)
+    try:
+        await asyncio.gather(scheme.connect(), worker.connect())
+        for v in (1, 2):
+            fill_(model, float(v))
+            assert await scheme.send() == v
+            assert worker.version == v
+            assert all(bool((p == float(v)).all()) for p in local.parameters())
+    finally:
+        await worker.aclose()
+        await scheme.aclose()
+
+
+async def test_a_socket_file_left_by_a_dead_trainer_is_replaced_and_a_live_one_refused(tmp_path: Path) -> None:
+    import socket
+
+    path = str(tmp_path / "trainer.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # bound, never listening, closed without unlinking: a killed trainer's leftover
+    stale.close()
+    first = MultiProcessWeightSyncScheme(timeout=30)
+    first.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    second = MultiProcessWeightSyncScheme(timeout=30)
+    second.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    try:
+        address = await first.listen(path=path)
+        assert address.path == path
+        with pytest.raises(FileExistsError, match=f"another trainer listens at {path}"):
+            await second.listen(path=path)
+    finally:
+        await first.aclose()
+        await second.aclose()
+    assert not os.path.exists(path)
