@@ -122,10 +122,11 @@ def _recorder(seen: dict[Wid, list[int]], wid: Wid) -> Any:
 class _Worker:
     """One worker as the machine sees it: its scheme, model and receive gate."""
 
-    def __init__(self, wid: Wid, scheme: MultiProcessWeightSyncScheme, model: nn.Module) -> None:
+    def __init__(self, wid: Wid, scheme: MultiProcessWeightSyncScheme, model: nn.Module, polled: bool = False) -> None:
         self.wid = wid
         self.scheme = scheme
         self.model = model
+        self.polled = polled  # its versions change only at poll_nowait()
         self.busy: asyncio.Event | None = None
 
     def pending(self) -> tuple[int, dict[str, float | None]] | None:
@@ -144,11 +145,12 @@ class _Worker:
             self.busy = None
 
 
-async def _start_worker(sender: MultiProcessWeightSyncScheme, idx: int, manual: bool, on_update: Any = None) -> _Worker:
-    """A loopback worker of *sender*; returns once it runs the first version (committed)."""
+async def _start_worker(sender: MultiProcessWeightSyncScheme, idx: int, manual: bool, on_update: Any = None, poll: bool = False) -> _Worker:
+    """A loopback worker of *sender*; returns once it runs the first version (committed).
+    *poll*: a polled receiver (later versions are committed by ``poll_nowait()``)."""
     scheme = loopback_worker(sender, idx)
     model = make_model()
-    scheme.init_on_receiver(worker_idx=idx, model=model, on_update=on_update)
+    scheme.init_on_receiver(worker_idx=idx, model=model, on_update=on_update, poll=poll)
     connecting = asyncio.ensure_future(scheme.connect(timeout=SETTLE))
     try:
         if manual:
@@ -160,7 +162,7 @@ async def _start_worker(sender: MultiProcessWeightSyncScheme, idx: int, manual: 
         await asyncio.wait([connecting])
         await scheme.aclose()
         raise
-    return _Worker(idx, scheme, model)
+    return _Worker(idx, scheme, model, poll)
 
 
 def _check_slots(sender: MultiProcessWeightSyncScheme, manual: bool) -> None:
@@ -184,6 +186,9 @@ class LocalCluster:
 
     def __init__(self, n: int, manual: bool, options: dict[str, Any]) -> None:
         self.manual = manual
+        options = dict(options)
+        # options["poll"]: worker 0 polls (``poll=True``), the others are event-driven.
+        self.polled: set[Wid] = {0} if options.pop("poll", False) and not manual else set()
         self.source = make_model()
         self.scheme = MultiProcessWeightSyncScheme(timeout=SETTLE, commit_mode="manual" if manual else "auto", **options)
         self.scheme.init_on_sender(model=self.source, num_workers=n)
@@ -194,7 +199,7 @@ class LocalCluster:
         self.seen: dict[Wid, list[int]] = {}  # versions each worker applied (on_update)
 
     async def start(self) -> None:
-        joins = [asyncio.ensure_future(_start_worker(self.scheme, i, self.manual, _recorder(self.seen, i))) for i in self.ids]
+        joins = [asyncio.ensure_future(_start_worker(self.scheme, i, self.manual, _recorder(self.seen, i), i in self.polled)) for i in self.ids]
         await self.scheme.connect(timeout=SETTLE)
         for w in await asyncio.gather(*joins):
             self.workers[w.wid] = w
@@ -237,7 +242,7 @@ class LocalCluster:
 
     async def rejoin(self, unit: Hashable) -> None:
         self.frozen.pop(unit, None)
-        self.workers[unit] = await _start_worker(self.scheme, unit, self.manual, _recorder(self.seen, unit))  # type: ignore[arg-type]
+        self.workers[unit] = await _start_worker(self.scheme, unit, self.manual, _recorder(self.seen, unit), unit in self.polled)  # type: ignore[arg-type]
 
     def check(self) -> None:
         _check_slots(self.scheme, self.manual)
@@ -424,6 +429,7 @@ class ClusterMachine(RuleBasedStateMachine):
 
     transports: tuple[str, ...] = ("local", "hosts")
     strict_logs = False  # also fail on anything asyncsync logs at ERROR (see nothing_went_wrong_unseen)
+    always_poll = False  # every local example has a polled worker (else drawn)
     steps = 0  # checked steps, over every example of a run
 
     def __init__(self) -> None:
@@ -481,12 +487,15 @@ class ClusterMachine(RuleBasedStateMachine):
         cast=st.booleans(),
         commit=st.sampled_from(["swap", "copy"]),
         n=st.integers(1, 2),
+        poll=st.booleans(),
     )
-    def setup(self, transport: str, manual: bool, cast: bool, commit: str, n: int) -> None:
+    def setup(self, transport: str, manual: bool, cast: bool, commit: str, n: int, poll: bool) -> None:
         if transport not in self.transports:
             transport = self.transports[0]
         self.manual = manual
         options: dict[str, Any] = dict(commit=commit, transfer_dtype=torch.bfloat16 if cast else None)
+        if (poll or self.always_poll) and transport == "local":
+            options["poll"] = True  # a polled worker among the local ones (see the poll rule)
         # local: 2-3 workers; hosts: 1-2 workers on each of the two hosts
         cluster = CLUSTERS[transport](n + 1 if transport == "local" else n, manual, options)
         self.cluster = cluster
@@ -552,6 +561,19 @@ class ClusterMachine(RuleBasedStateMachine):
         assert committed == (pending[0] if pending is not None else None), (wid, committed, pending)
         if committed is not None and wid in self.frozen:
             self.frozen[wid] = dict(self.expected[wid][committed])  # type: ignore[arg-type]
+
+    @rule(i=st.integers(0, 3))
+    def poll(self, i: int) -> None:
+        """A polled worker polls between two steps: it commits the version in its mailbox,
+        if new (also after its sender ended: then nothing is new)."""
+        wid = self.cluster.ids[i % len(self.cluster.ids)]
+        w = self.cluster.workers.get(wid) or self.cluster.frozen.get(wid)
+        if w is None or not getattr(w, "polled", False):
+            return
+        before = w.scheme.version
+        got = w.scheme.poll_nowait()
+        assert got is None or (got > before and w.scheme.version == got), (wid, before, got)
+        assert got is None or wid not in self.frozen, f"worker {wid} committed version {got} after it stopped receiving"
 
     @rule(i=st.integers(0, 3), busy=st.booleans())
     def make_busy(self, i: int, busy: bool) -> None:
@@ -676,12 +698,12 @@ class ClusterMachine(RuleBasedStateMachine):
         values = self.next_values()
         fill(self.cluster.source.state_dict(), values)
         task = self.loop.create_task(self.cluster.send(None, living, partial=False, timeout=SETTLE, sync=True))
-        if self.manual:
+        if self.manual or any(getattr(w, "polled", False) for w in self.cluster.workers.values()):
 
             async def commit_all() -> None:
                 while not task.done():
                     for w in self.cluster.workers.values():
-                        w.scheme.commit()
+                        w.scheme.poll_nowait() if getattr(w, "polled", False) else w.scheme.commit()
                     await asyncio.sleep(0.001)
 
             self.run(commit_all(), SETTLE)

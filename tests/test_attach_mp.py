@@ -184,6 +184,41 @@ async def test_an_unknown_or_taken_index_is_refused_naming_it() -> None:
         await scheme.aclose()
 
 
+class _StartingChild:
+    """A child the trainer started (``watch_process``) that has not said hello yet."""
+
+    pid = 4242
+    exitcode = None
+
+    def __init__(self, sentinel: int) -> None:
+        self.sentinel = sentinel
+
+
+async def test_a_started_child_that_has_not_said_hello_keeps_its_index() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=2)
+    address = await scheme.listen()
+    r, w = os.pipe()
+    try:
+        scheme.sender.start()
+        await scheme.send_async()  # version 0
+        scheme.watch_process(0, _StartingChild(r))
+        intruder = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
+        intruder.init_on_receiver(model=nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=r"worker 0 is a process the trainer started \(pid 4242\)"):
+            await intruder.connect()
+        await intruder.aclose()
+        free = MultiProcessWeightSyncScheme.attach(address, worker_idx=1)  # an index nobody was started for
+        free.init_on_receiver(model=nn.Linear(4, 4))
+        await free.connect()
+        assert free.version == 0
+        await free.aclose()
+    finally:
+        await scheme.aclose()
+        os.close(r)
+        os.close(w)
+
+
 async def test_attaching_where_nobody_listens_times_out_naming_the_address(tmp_path: Path) -> None:
     path = str(tmp_path / "nobody.sock")
     worker = MultiProcessWeightSyncScheme.attach(WorkerAddress(path, token="t"), worker_idx=0, timeout=0.3)

@@ -262,7 +262,7 @@ async def test_many_tensor_workers_commit_by_one_swap(commit_mode: str) -> None:
                 assert all(a is b for a, b in zip(params[i], m.parameters(), strict=True))
                 assert len({t.untyped_storage()._cdata for t in m.state_dict().values()}) == 1
                 storages[i].add(m.layers[5].weight.untyped_storage()._cdata)
-        assert all(r._bucket is not None and r._bucket.swaps >= 4 for r in _receivers(lb))
+        assert all(r._committer.bucket is not None and r._committer.bucket.swaps >= 4 for r in _receivers(lb))
         assert all(len(s) == 1 for s in storages.values())  # one storage object, memory swapped under it
         assert lb.models[0].layers[0].bias.requires_grad is False
     # closed: the models keep the last version, in memory of their own
@@ -301,7 +301,7 @@ async def test_without_swap_data_ptr_commits_per_tensor(monkeypatch: pytest.Monk
             _stamp(trainer, float(k))
             await scheme.send()
             assert _stamped(lb.models[0], float(k))
-        assert _receivers(lb)[0]._bucket is None
+        assert _receivers(lb)[0]._committer.bucket is None
 
 
 def _inference_many() -> nn.Module:
@@ -326,7 +326,7 @@ async def test_copy_staged_and_inference_commits_take_no_bucket(options: dict, m
             _stamp(trainer, float(k))
             await scheme.send()
             assert _stamped(lb.models[0], float(k))
-        assert _receivers(lb)[0]._bucket is None
+        assert _receivers(lb)[0]._committer.bucket is None
         if options.get("commit") == "copy":
             assert [p.data_ptr() for p in lb.models[0].parameters()] == ptrs  # stable addresses
         if make is _inference_many:

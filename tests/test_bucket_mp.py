@@ -36,7 +36,7 @@ async def checking_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme)
     scheme.init_on_receiver(worker_idx=worker_idx, model=model, on_update=on_update)
     async with scheme:
         await scheme.wait_stopped()
-    seen["swaps"] = scheme.receiver._bucket.swaps if scheme.receiver._bucket is not None else 0
+    seen["swaps"] = scheme.receiver._committer.bucket.swaps if scheme.receiver._committer.bucket is not None else 0
     seen["final"] = [float(t.flatten()[0]) for t in model.state_dict().values() if t.numel()][:3]
     return seen
 

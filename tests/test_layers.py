@@ -137,6 +137,8 @@ def test_exceptions_are_still_needed() -> None:
         ("asyncsync._dist._relay", "from .. import MultiProcessWeightSyncScheme\n"),
         ("asyncsync._errors", "from ._local._workers import WorkerGroup\n"),
         ("asyncsync._core._acks", "from .._unplaced import x\n"),
+        ("asyncsync._io._slots", "from .._local._poll import Mailbox\n"),  # the mailbox is the local transport's
+        ("asyncsync._local._commit", "from .._dist._relay import Relay\n"),
     ],
 )
 def test_a_forbidden_import_is_caught(module: str, source: str) -> None:
@@ -153,6 +155,9 @@ def test_a_forbidden_import_is_caught(module: str, source: str) -> None:
         ("asyncsync._local._receiver", "from ._bucket import SlotBucket\n"),
         ("asyncsync._dist._relay", "from .._local._sender import Sender\nfrom . import _control\n"),
         ("asyncsync.testing", "from ._dist._scheme import DistributedWeightSyncScheme\n"),
+        # the receiver's parts: segments, the one commit path, the polled mailbox
+        ("asyncsync._local._receiver", "from ._commit import Committer\nfrom ._slotmap import SlotMap\nfrom ._poll import Mailbox\n"),
+        ("asyncsync._local._poll", "from .._io._shm import Segment\n"),
     ],
 )
 def test_an_allowed_import_passes(module: str, source: str) -> None:

@@ -31,8 +31,10 @@ from asyncsync._wire._protocol import (
     Ack,
     Bye,
     Hello,
+    Mailbox,
     MapSlots,
     Message,
+    Poll,
     Receive,
     Setup,
     Staged,
@@ -85,6 +87,9 @@ MESSAGES: list[Message] = [
     Staged(U32_MAX, -1, 0),
     Bye(0, -1, ""),
     Bye(2, 10, "the worker closed its receiver ✓"),
+    Poll(0),
+    Poll(U32_MAX),
+    Mailbox(64),
 ]
 
 
@@ -349,7 +354,7 @@ def test_fuzz_random_bytes_and_headers(body: bytes, version: int, kind: int) -> 
     if version != 1:
         with pytest.raises(ProtocolError, match="version"):
             decode(struct.pack("!2sBBI", b"AS", version, kind, len(body)) + body)
-    if not 1 <= kind <= 15:
+    if not 1 <= kind <= 17:
         with pytest.raises(ProtocolError, match="unknown message type"):
             decode(struct.pack("!2sBBI", b"AS", 1, kind, len(body)) + body)
 

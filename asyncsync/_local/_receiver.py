@@ -13,13 +13,10 @@ slot are copied into the worker's own memory first: later sends never change the
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import operator
 import os
 import time
 import warnings
-from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -27,28 +24,27 @@ import torch
 from torch import nn
 
 from .._core._layout import Layout
-from .._core._ownership import BufferRoles, Weights, debug_enabled
+from .._core._ownership import BufferRoles, Weights
 from .._core._signal import Signal
-from .._core._strategy import Strategy, as_user_weights, bind_targets
+from .._core._strategy import Strategy
 from .._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from .._io._queues import AsyncQueue
 from .._io._shm import Segment
-from .._io._staging import Stager, copy_tensors, device_problem
+from .._io._staging import Stager, copy_tensors
 from .._options import DEFAULT, UseDefault, resolve_timeout
 from .._stats import ReceiverStatistics
-from .._wire._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
+from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Setup, Staged, Stop, decode, encode
 from ._bucket import SlotBucket
+from ._commit import Commit, Committer, OnUpdate, bind_model
 from ._faults import installed as _installed_faults
+from ._poll import Mailbox as _Mailbox
+from ._slotmap import SlotMap, check_segments
 
-__all__ = ["Receiver"]
+__all__ = ["Commit", "CommitMode", "OnUpdate", "Receiver"]
 
 logger = logging.getLogger("asyncsync")
 
-_version_of = operator.attrgetter("_version")  # a tensor's in-place write counter
-
-Commit = Literal["swap", "copy"]
 CommitMode = Literal["auto", "manual"]
-OnUpdate = Callable[[Any, int], "Awaitable[None] | None"]
 
 
 class Receiver:
@@ -87,40 +83,33 @@ class Receiver:
         commit_mode: CommitMode,
         timeout: float | None,
         device: torch.device | str | None = None,
+        poll: bool = False,
     ) -> None:
+        if poll and commit_mode == "manual":
+            raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         self.worker_idx = worker_idx
         self.model = model
-        self.strategy = strategy
-        self.context = context
-        self.on_update = on_update
         self.commit_kind = commit
         self.commit_mode = commit_mode
         self.timeout = timeout
+        self.polled = poll
         self._device_override = torch.device(device) if device is not None else None
         self._queue: AsyncQueue[Any] = AsyncQueue(conn)
-        self._segments: dict[int, Segment] = {}
-        self._transient: set[int] = set()
-        self._slot_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._slots = SlotMap()
+        self._committer = Committer(worker_idx, commit, strategy, context, on_update)
+        self._mailbox: _Mailbox | None = None  # poll=True: where the sender announces versions
         self._layout: Layout | None = None
         self._layout_error: str | None = None
-        self._targets: dict[str, torch.Tensor] = {}
         self._roles: BufferRoles | None = None
         self._reads_slot = False
-        self._bucket: SlotBucket | None = None  # swap commits from slots: one storage swap
-        self._slot_versions: list[int] = []
         self._device = torch.device("cpu")
-        self._inference = False  # the model holds inference tensors (built under inference_mode)
         self._stager: Stager | None = None
         self._updates = 0
         self._skipped = 0
         self._rejected = 0
         self._responded = -1
         self.last_error: str | None = None
-        self._callback_errors = 0
-        self._last_callback_error: str | None = None
-        self._callback_tasks: set[asyncio.Task[Any]] = set()
         self._stage_s = 0.0
-        self._commit_s = 0.0
         self._changed = Signal()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -145,6 +134,23 @@ class Receiver:
         return self._roles.pending if self._roles is not None else None
 
     @property
+    def on_update(self) -> OnUpdate | None:
+        """Called as ``on_update(weights, version)`` after each commit (may be reassigned)."""
+        return self._committer.on_update
+
+    @on_update.setter
+    def on_update(self, fn: OnUpdate | None) -> None:
+        self._committer.on_update = fn
+
+    @property
+    def context(self) -> Any:
+        return self._committer.context
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._committer.strategy
+
+    @property
     def update_pending(self) -> bool:
         """True when a staged version waits for :meth:`commit` (``commit_mode="manual"``)."""
         return self._pending is not None
@@ -159,11 +165,18 @@ class Receiver:
             raise RuntimeError("connect() was already called") if self._state != "closed" else ClosedError("the receiver is closed")
         self._state = "running"
         self._queue.put_bytes_nowait(encode(Hello(self.worker_idx, os.getpid())))
+        if self.polled:
+            self._queue.put_bytes_nowait(encode(Poll(self.worker_idx)))
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
         limit = resolve_timeout(timeout, self.timeout)
         # Done once the first instruction is answered: applied, staged (manual mode), or
         # rejected (then the worker keeps its own weights and keeps running; the sender raises).
-        if not await self._changed.wait_until(lambda: self._responded >= 0 or self._pending is not None or self._ended(), limit):
+        # A polled receiver also waits for its mailbox: from then on, polls see every version.
+        def ready() -> bool:
+            answered = self._responded >= 0 or self._pending is not None
+            return (answered and (not self.polled or self._mailbox is not None)) or self._ended()
+
+        if not await self._changed.wait_until(ready, limit):
             raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)
         return self._version
 
@@ -193,6 +206,43 @@ class Receiver:
             return None
         return staged.version if self._commit(staged) else None
 
+    def poll_nowait(self) -> int | None:
+        """Commit the newest version sent to this worker if it is new; return it, else None.
+
+        For a receiver made with ``poll=True`` (``init_on_receiver(..., poll=True)``): the
+        sender announces each version in shared memory, and this call reads it there, so
+        when nothing is new it costs a single memory load (no system call, no event-loop
+        wake-up). When something is, it commits it as the receiver task would (atomic;
+        a version the worker cannot apply is refused, the model keeps its weights and the
+        sender gets a :class:`WorkerError`), then acknowledges it. Call it between steps::
+
+            while running:
+                receiver.poll_nowait()          # maybe a new version; never blocks
+                obs = env.step(policy(obs))
+
+        The worker's event loop must still run now and then (any ``await``): it maps new
+        shared-memory slots and notices ``stop`` and the sender's death. It returns None
+        while a slot it needs is not mapped yet, and on a receiver that is not connected.
+        """
+        mailbox = self._mailbox
+        if mailbox is None:
+            if not self.polled:
+                raise RuntimeError(f"worker {self.worker_idx}: poll_nowait() needs a receiver made with init_on_receiver(..., poll=True)")
+            return None  # not connected yet, or ended
+        news = mailbox.peek()
+        if news is None:
+            return None
+        seq, version, slot, skipped = news
+        if self._released or (self._faults is not None and not self._faults.idle):
+            return None  # ended; or a test's fault holds updates (they go through the task)
+        if self._roles is not None and self._layout_error is None and (self._slots.get(slot) is None or self._roles.staging is not None):
+            return None  # its segment is not mapped yet (the receiver task does that next)
+        mailbox.take(seq)
+        msg = Receive(version, slot, skipped)
+        if not self._receive_now(msg, 0):
+            self._stage_now(msg)
+        return version if self._version == version else None
+
     async def wait_stopped(self) -> None:
         """Wait for the receiver task to end; raise :class:`SenderDiedError` if the sender died."""
         if self._task is None:
@@ -215,9 +265,9 @@ class Receiver:
             skipped=self._skipped,
             rejected=self._rejected,
             last_stage_ms=self._stage_s * 1e3,
-            last_commit_ms=self._commit_s * 1e3,
-            callback_errors=self._callback_errors,
-            last_callback_error=self._last_callback_error,
+            last_commit_ms=self._committer.commit_s * 1e3,
+            callback_errors=self._committer.callback_errors,
+            last_callback_error=self._committer.last_callback_error,
         )
 
     async def aclose(self) -> None:
@@ -234,10 +284,7 @@ class Receiver:
             task.cancel()
             await asyncio.wait([task])
         self._release("the worker closed its receiver")
-        for t in list(self._callback_tasks):
-            t.cancel()
-        if self._callback_tasks:
-            await asyncio.wait(list(self._callback_tasks))
+        await self._committer.aclose()
 
     async def _kill(self) -> None:
         """End as a worker whose process died: no ``Bye``, the channel just closes.
@@ -272,9 +319,9 @@ class Receiver:
         try:
             while True:
                 batch = [await self._next_slow_message()]
-                # Drain what is already waiting, but stop at MapSlots: its descriptors
-                # follow on the socket and must be read before any message.
-                while not isinstance(batch[-1], (MapSlots, Stop)):
+                # Drain what is already waiting, but stop at MapSlots (and Mailbox): its
+                # descriptors follow on the socket and must be read before any message.
+                while not isinstance(batch[-1], (MapSlots, Mailbox, Stop)):
                     try:
                         batch.append(decode(self._queue.get_bytes_nowait()))
                     except WouldBlock:
@@ -334,12 +381,17 @@ class Receiver:
                 self._on_setup(msg)
             elif isinstance(msg, MapSlots):
                 fds = await self._queue.receive_fds(len(msg.slot_ids))
-                _check_segments(msg, fds)
+                check_segments(msg, fds)
                 for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
                     # Mapping pre-faults every page: off the loop for large slots.
-                    self._segments[sid] = await self._get_stager().run(nbytes, Segment.attach, fd, nbytes)
-                    if msg.transient:
-                        self._transient.add(sid)
+                    self._slots.add(sid, await self._get_stager().run(nbytes, Segment.attach, fd, nbytes), msg.transient)
+            elif isinstance(msg, Mailbox):
+                (fd,) = await self._queue.receive_fds(1)
+                if not self.polled or self._mailbox is not None:
+                    os.close(fd)
+                    raise ProtocolError("Mailbox: this receiver did not ask for one" if not self.polled else "Mailbox: sent twice")
+                self._mailbox = _Mailbox.attach(fd, msg.nbytes)
+                self._changed.notify()
             elif isinstance(msg, Receive) and i == newest:
                 await self._on_receive(msg, skipped)
             elif isinstance(msg, Stop):
@@ -351,75 +403,32 @@ class Receiver:
     def _on_setup(self, msg: Setup) -> None:
         self._layout = msg.layout
         self._layout_error = None
-        self._slot_views.clear()
-        self._bucket = None
+        self._slots.forget_views()
         if self.model is None:
             self._layout_error = "the worker has no model to apply weights to"
             return
-        targets, problems = bind_targets(self.model, msg.layout)
-        if problems:
-            self._layout_error = "payload does not fit the model: " + "; ".join(problems[:16])
-            return
         device = self._device_override or (torch.device(msg.device) if msg.device else None)
-        if device is None:
-            device = next(iter(targets.values())).device if targets else torch.device("cpu")
-        unusable = device_problem(device)
-        if unusable is not None:
-            self._layout_error = f"cannot place the model on {device}: {unusable}"
+        bound = bind_model(self.model, msg.layout, device, self.commit_kind)
+        if isinstance(bound, str):
+            self._layout_error = bound
             return
-        # A model built under torch.inference_mode() holds inference tensors: they are
-        # written only inside inference mode, and only by tensors that are inference tensors
-        # themselves (a plain tensor swapped in leaves a parameter no forward can use).
-        inference = any(t.is_inference() for t in targets.values())
-        try:
-            if any(t.device != device for t in targets.values()):
-                with torch.inference_mode(inference):
-                    self.model.to(device)  # keeps Parameter identity; moves unsent buffers too
-                targets, problems = bind_targets(self.model, msg.layout)  # ``to()`` replaces buffers
-        except Exception as exc:  # e.g. a CUDA device this process cannot use
-            self._layout_error = f"cannot place the model on {device}: {exc}"
-            return
-        if problems:
-            self._layout_error = f"payload does not fit the model on {device}: " + "; ".join(problems[:16])
-            return
-        unwritable = _copy_problems(targets) if self.commit_kind == "copy" else []
-        if unwritable:  # refused before anything is written: a copy that fails half way tears the model
-            self._layout_error = (
-                "commit='copy' writes the model's tensors in place, and these cannot hold the sent values: "
-                + "; ".join(unwritable[:8])
-                + ". Give each its own memory (e.g. `.clone()`), or use commit='swap'"
-            )
-            return
-        self._device = device
-        self._targets = targets
-        self._inference = inference
-        # The slot already holds the model's dtypes on the model's device (CPU): commit
-        # straight from it, by pointer swap (zero copy) or by an in-place copy. Otherwise
-        # stage into device buffers first (a CUDA copy, or a cast from transfer_dtype), and
-        # so does a swap into inference tensors (slot views are not inference tensors).
-        self._reads_slot = (
-            device.type == "cpu"
-            and all(self._targets[s.key].dtype == s.dtype for s in msg.layout.specs)
-            and not (inference and self.commit_kind == "swap")
-        )
-        if self._reads_slot and self.commit_kind == "swap" and SlotBucket.usable(msg.layout, targets.values()):
-            self._bucket = SlotBucket(msg.layout, list(targets.values()))
-        # Reading straight from slots, no private set is ever staged into: the model's own
-        # initial tensors are freed at the first swap instead of being kept for reuse.
-        # (Nor can a set holding overlapping memory be staged into: the model's own, with
-        # commit="swap"; then every staging set is a fresh one.)
-        live = Weights(self._version, {k: t.data for k, t in targets.items()})
-        recyclable = not self._reads_slot and not _copy_problems(targets)
-        self._roles = BufferRoles(live, self._allocate_set, keep_free=recyclable)
+        self._device = bound.device
+        self._reads_slot = bound.reads_slot
+        usable = bound.reads_slot and self.commit_kind == "swap" and SlotBucket.usable(msg.layout, bound.targets.values())
+        bucket = SlotBucket(msg.layout, list(bound.targets.values())) if usable else None
+        self._committer.bind(bound.targets, bound.inference, bucket, self._slots.segments)
+        live = Weights(self._version, {k: t.data for k, t in bound.targets.items()})
+        self._roles = BufferRoles(live, self._allocate_set, keep_free=bound.recyclable)
 
     def _allocate_set(self) -> dict[str, torch.Tensor]:
         """A private set of device buffers shaped like the model (inference tensors where
         the model's are)."""
-        out = {k: torch.empty_like(t, device=self._device) for k, t in self._targets.items() if not t.is_inference()}
-        if len(out) < len(self._targets):
+        targets = self._committer.targets
+        out = {k: torch.empty_like(t, device=self._device) for k, t in targets.items() if not t.is_inference()}
+        if len(out) < len(targets):
             with torch.inference_mode():
-                out.update({k: torch.empty_like(t, device=self._device) for k, t in self._targets.items() if t.is_inference()})
-            out = {k: out[k] for k in self._targets}
+                out.update({k: torch.empty_like(t, device=self._device) for k, t in targets.items() if t.is_inference()})
+            out = {k: out[k] for k in targets}
         return out
 
     def _get_stager(self) -> Stager:
@@ -437,8 +446,8 @@ class Receiver:
             return
         assert self._layout is not None and self._roles is not None
         roles = self._roles
-        seg = self._segments[msg.slot]
-        views = self._views_of(msg.slot, seg)
+        seg = self._slots.segments[msg.slot]
+        views = self._slots.views(msg.slot, self._layout)
         t0 = time.perf_counter()
         staging = roles.begin_staging(msg.version)
         done = False
@@ -447,40 +456,62 @@ class Receiver:
             stager = self._get_stager()
             keys = list(views)
             await stager.pin(seg.buf)
-            await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes, inference=self._inference)
+            await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes, inference=self._committer.inference)
             done = True
         except Exception as exc:  # only private buffers were written: the model is untouched
-            logger.error("worker %d: staging version %d failed", self.worker_idx, msg.version, exc_info=exc)
-            failure = f"staging failed: {type(exc).__name__}: {exc}"
+            failure = self._staging_failed(msg, exc)
+        finally:
+            staged = roles.end_staging(done)  # (cancelled: the set is freed, and nothing is said)
+        self._staged(msg, staged, failure, t0, msg.skipped + skipped)
+
+    def _stage_now(self, msg: Receive) -> None:
+        """:meth:`_on_receive`'s staging without awaiting (a poll): copy the slot into a
+        private set on this thread, then commit it."""
+        assert self._layout is not None and self._roles is not None
+        roles = self._roles
+        views = self._slots.views(msg.slot, self._layout)
+        t0 = time.perf_counter()
+        staging = roles.begin_staging(msg.version)
+        done = False
+        failure = ""
+        try:
+            keys = list(views)
+            with torch.inference_mode(self._committer.inference):
+                copy_tensors([staging.tensors[k] for k in keys], [views[k] for k in keys])
+            if self._device.type == "cuda":
+                torch.cuda.current_stream(self._device).synchronize()
+            done = True
+        except Exception as exc:  # only a private set was written: the model is untouched
+            failure = self._staging_failed(msg, exc)
         finally:
             staged = roles.end_staging(done)
+        self._staged(msg, staged, failure, t0, msg.skipped)
+
+    def _staging_failed(self, msg: Receive, exc: Exception) -> str:
+        logger.error("worker %d: staging version %d failed", self.worker_idx, msg.version, exc_info=exc)
+        return f"staging failed: {type(exc).__name__}: {exc}"
+
+    def _staged(self, msg: Receive, staged: Weights | None, failure: str, t0: float, skipped: int) -> None:
+        """Staging ended: apply what it staged, or refuse *msg* (the set was freed)."""
         if staged is None:
             self._reject(msg, failure)
             return
         staged.stage_s = time.perf_counter() - t0
-        self._apply(staged, msg.skipped + skipped)
+        self._apply(staged, skipped)
 
     def _receive_now(self, msg: Receive, skipped: int) -> bool:
         """Handle *msg* without awaiting if it can be (a refusal, or weights read straight
         from the slot); False if it needs staging first."""
-        seg = self._segments.get(msg.slot)
+        seg = self._slots.get(msg.slot)
         refusal = self._refusal(msg, seg)
         if refusal is not None:
             self._reject(msg, refusal)
             return True
         if not self._reads_slot:
             return False
-        assert seg is not None
-        self._apply(Weights(msg.version, self._views_of(msg.slot, seg), msg.slot), msg.skipped + skipped)
+        assert self._layout is not None
+        self._apply(Weights(msg.version, self._slots.views(msg.slot, self._layout), msg.slot), msg.skipped + skipped)
         return True
-
-    def _views_of(self, slot_id: int, seg: Segment) -> dict[str, torch.Tensor]:
-        """The layout's tensors viewing slot *slot_id* (made once per slot)."""
-        views = self._slot_views.get(slot_id)
-        if views is None:
-            assert self._layout is not None
-            views = self._slot_views[slot_id] = self._layout.views(seg.buf)
-        return views
 
     def _reject(self, msg: Receive, error: str) -> None:
         self._rejected += 1
@@ -499,7 +530,7 @@ class Receiver:
             self._changed.notify()
         else:
             self._commit(staged)
-        if self._transient:
+        if self._slots.transient:
             self._release_transient()
 
     def _refusal(self, msg: Receive, seg: Segment | None) -> str | None:
@@ -517,146 +548,22 @@ class Receiver:
         (then the sender gets the reason)."""
         assert self._roles is not None
         roles = self._roles
-        t0 = time.perf_counter()
-        targets = self._targets
-        # Versions recorded at the last commit stay valid while untouched: ``.data =`` keeps
-        # each parameter's own version counter as it was.
-        recorded = roles.live.slot is not None and self._check_untouched()
-        try:
-            if self._inference:
-                with torch.inference_mode():
-                    self._write(staged)
-            else:
-                self._write(staged)
-        except Exception as exc:
-            return self._commit_failed(staged, exc)
-        if self.commit_kind == "swap":
-            roles.committed(staged, consumed=None)
-        else:
-            roles.committed(Weights(staged.version, roles.live.tensors, None), consumed=staged)
-        if debug_enabled():
-            roles.check({k: t.data for k, t in targets.items()})
-        holds = roles.live.slot
-        if holds is not None and not (recorded and self.commit_kind == "swap"):
-            # Parameters now view a shared slot: remember their version counters to notice
-            # in-place writes (they would reach every worker reading that slot).
-            self._slot_versions = list(map(_version_of, targets.values()))
-        self._commit_s = time.perf_counter() - t0
+        committer = self._committer
+        error = committer.commit(roles, staged)
+        if error is not None:
+            self._rejected += 1
+            self._ack(Ack(self.worker_idx, staged.version, False, error, roles.live.slot))
+            return False
         self._stage_s = staged.stage_s
         self._updates += 1
-        self._ack(Ack(self.worker_idx, staged.version, True, None, holds, staged.stage_s, self._commit_s))
+        self._ack(Ack(self.worker_idx, staged.version, True, None, roles.live.slot, staged.stage_s, committer.commit_s))
         self._changed.notify()
-        self._run_callbacks(staged.version)
+        committer.run_callbacks(staged.version, self._layout)
         return True
-
-    def _write(self, staged: Weights) -> None:
-        """Point the model's tensors at *staged* (swap) or copy *staged* into them; raise
-        :class:`_WriteFailed` naming the key where it failed."""
-        targets = self._targets
-        tensors = staged.tensors
-        if self.commit_kind == "swap":
-            if self._bucket is not None and staged.slot is not None:
-                # the whole model in one storage swap, or views of a fresh storage to arrange it
-                bucket_views = self._bucket.commit(self._segments[staged.slot])
-                if bucket_views is None:
-                    return
-                tensors = bucket_views
-            done: list[torch.Tensor] = []
-            key = ""
-            try:
-                for key, t in targets.items():
-                    t.data = tensors[key]  # ``.data`` is never recorded by autograd: no no_grad needed
-                    done.append(t)
-            except Exception as exc:
-                live = self._roles.live.tensors  # type: ignore[union-attr]
-                for k, t in zip(targets, done):
-                    t.data = live[k]  # back to the version it ran: all or nothing
-                raise _WriteFailed(key, False) from exc
-            return
-        keys = list(targets)
-        try:
-            copy_tensors([targets[k] for k in keys], [tensors[k] for k in keys])
-        except Exception:
-            with torch.no_grad():
-                for i, key in enumerate(keys):  # the same copies again, one by one, to find the culprit
-                    try:
-                        targets[key].copy_(tensors[key])
-                    except Exception as exc:
-                        raise _WriteFailed(key, i > 0) from exc
-            # (every copy went through the second time: the commit is whole)
-
-    def _commit_failed(self, staged: Weights, exc: Exception) -> bool:
-        """A commit raised (what ``_on_setup`` checks makes this unexpected): refuse the version.
-
-        A swap is undone; a copy that already wrote some tensors cannot be: say so.
-        """
-        assert self._roles is not None
-        self._roles.committed(self._roles.live, consumed=staged)  # the staged set is freed
-        cause = exc.__cause__ if isinstance(exc, _WriteFailed) and exc.__cause__ is not None else exc
-        where = f" at {exc.key!r}" if isinstance(exc, _WriteFailed) else ""
-        error = f"commit={self.commit_kind!r} failed{where} ({type(cause).__name__}: {cause}); "
-        if isinstance(exc, _WriteFailed) and exc.torn:
-            error += f"the tensors before it already hold version {staged.version}, the others version {self._version}"
-        else:
-            error += f"the model keeps version {self._version}"
-        logger.error("worker %d: %s", self.worker_idx, error, exc_info=cause)
-        self._rejected += 1
-        self._ack(Ack(self.worker_idx, staged.version, False, error, self._roles.live.slot))
-        return False
-
-    def _check_untouched(self) -> bool:
-        """True if nothing wrote into the weights since the last commit; else say so (and False)."""
-        if list(map(_version_of, self._targets.values())) == self._slot_versions:
-            return True  # the common case, in C
-        written = [k for (k, t), v in zip(self._targets.items(), self._slot_versions) if t._version != v]
-        if written:
-            logger.error(
-                "worker %d wrote in place into weights that view a shared slot (%s): other workers on "
-                "the same slot see those writes; keep the model read-only (eval mode) or use commit='copy'",
-                self.worker_idx,
-                ", ".join(written[:8]),
-            )
-        return False
-
-    def _run_callbacks(self, version: int) -> None:
-        """Call ``update_policy_weights_`` and ``on_update``; an exception is logged and counted,
-        never allowed to end the receiver."""
-        has_cascade = self.context is not None and hasattr(self.context, "update_policy_weights_")
-        if self.on_update is None and not has_cascade:
-            return
-        weights = as_user_weights({k: t.data for k, t in self._targets.items()}, self.strategy, self._layout)
-        try:
-            if has_cascade:
-                self.context.update_policy_weights_(weights)
-            if self.on_update is not None:
-                result = self.on_update(weights, version)
-                if inspect.isawaitable(result):
-                    task = asyncio.ensure_future(result)
-                    self._callback_tasks.add(task)
-                    task.add_done_callback(self._callback_done)
-        except Exception as exc:
-            self._callback_failed(exc)
-
-    def _callback_done(self, task: asyncio.Task[Any]) -> None:
-        self._callback_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._callback_failed(task.exception())  # type: ignore[arg-type]
-
-    def _callback_failed(self, exc: BaseException) -> None:
-        self._callback_errors += 1
-        self._last_callback_error = f"{type(exc).__name__}: {exc}"
-        logger.error("worker %d: on_update callback raised (the receiver goes on)", self.worker_idx, exc_info=exc)
 
     def _release_transient(self) -> None:
         live = self._roles.views_slot() if self._roles is not None else set()
-        for sid in [s for s in self._transient if s not in live]:
-            self._transient.discard(sid)
-            self._slot_views.pop(sid, None)
-            seg = self._segments.pop(sid, None)
-            if seg is not None:
-                if self._stager is not None:
-                    self._stager.unpin(seg.buf)  # page-locked memory is unregistered before it is unmapped
-                seg.close()
+        self._slots.release_transient(live, self._stager.unpin if self._stager is not None else None)
 
     def _ack(self, ack: Ack) -> None:
         self._responded = max(self._responded, ack.version)
@@ -681,7 +588,7 @@ class Receiver:
             roles = self._roles
             with torch.no_grad():
                 if roles.detach(lambda ts: {k: t.clone() for k, t in ts.items()}):
-                    for key, t in self._targets.items():
+                    for key, t in self._committer.targets.items():
                         t.data = roles.live.tensors[key]
         if not self._no_bye:
             self._send(Bye(self.worker_idx, self._version, reason))
@@ -689,40 +596,8 @@ class Receiver:
         if self._stager is not None:
             self._stager.close()  # unregisters page-locked slots: before they are unmapped
             self._stager = None
-        for seg in self._segments.values():
-            seg.close()  # a pending set still viewing a slot was copied above
-        self._segments.clear()
-        self._slot_views.clear()
+        self._slots.close()  # a pending set still viewing a slot was copied above
+        if self._mailbox is not None:
+            self._mailbox.close()
+            self._mailbox = None
 
-
-def _copy_problems(targets: dict[str, torch.Tensor]) -> list[str]:
-    """Why an in-place copy cannot write some of *targets* (one line each), before it writes any."""
-    out = []
-    for key, t in targets.items():
-        if t.layout != torch.strided:
-            out.append(f"{key!r} {tuple(t.shape)} has layout {t.layout}")
-        elif t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:  # 1: its elements overlap
-            out.append(f"{key!r} {tuple(t.shape)} has overlapping memory (strides {t.stride()}, as made by expand())")
-    return out
-
-
-class _WriteFailed(Exception):
-    """A commit failed writing *key*; *torn*: tensors before it were already written."""
-
-    def __init__(self, key: str, torn: bool) -> None:
-        super().__init__(key)
-        self.key = key
-        self.torn = torn
-
-
-def _check_segments(msg: MapSlots, fds: list[int]) -> None:
-    """Raise :class:`ProtocolError` (closing *fds*) unless each segment holds the bytes announced.
-
-    Mapping more than a memfd holds would kill the worker with SIGBUS at the first touch.
-    """
-    for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            for d in fds:
-                os.close(d)
-            raise ProtocolError(f"MapSlots: field 'nbytes': slot {sid} announces {nbytes} bytes, its segment holds {size}")

@@ -375,6 +375,7 @@ class MultiProcessWeightSyncScheme:
         model: nn.Module | None = None,
         on_update: OnUpdate | None = None,
         device: torch.device | str | None = None,
+        poll: bool = False,
     ) -> None:
         """Configure the worker side (in the worker process, on the pickled scheme).
 
@@ -384,7 +385,8 @@ class MultiProcessWeightSyncScheme:
         device chosen on the sender (``devices`` / ``params_map`` / ``device_map_fn``);
         by default the model's own device. A device this process cannot use (CUDA where
         there is none) raises :class:`ValueError` here. *worker_idx* is required, except
-        on a scheme made by :meth:`attach` (which names it already).
+        on a scheme made by :meth:`attach` (which names it already). ``poll=True``: after
+        ``connect()``, versions change only at :meth:`poll_nowait` calls (see docs/polling.md).
         """
         if self._sender is not None and not self._sender.in_owner_process():
             raise RuntimeError(
@@ -408,6 +410,8 @@ class MultiProcessWeightSyncScheme:
             self._endpoints[worker_idx] = placeholder_connection()  # the socket lands behind it at connect()
         if worker_idx is None:
             raise TypeError("init_on_receiver() needs worker_idx=")
+        if poll and self.commit_mode == "manual":
+            raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         conn = self._endpoints.pop(worker_idx, None)
         if conn is None:
             raise ValueError(f"no channel for worker {worker_idx}; this scheme carries workers {sorted(self._endpoints)}")
@@ -426,6 +430,7 @@ class MultiProcessWeightSyncScheme:
             commit_mode=self.commit_mode,
             timeout=self.timeout,
             device=device,
+            poll=poll,
         )
 
     # ------------------------------------------------------------------ both sides
@@ -545,6 +550,10 @@ class MultiProcessWeightSyncScheme:
     def commit(self) -> int | None:
         """Worker, ``commit_mode="manual"``: commit the staged version now."""
         return self.receiver.commit()
+
+    def poll_nowait(self) -> int | None:
+        """Worker, ``init_on_receiver(..., poll=True)``: commit the newest version if new."""
+        return self.receiver.poll_nowait()
 
     @property
     def update_pending(self) -> bool:

@@ -41,7 +41,9 @@ from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
 from .._options import DEFAULT, OnWorkerError, UseDefault
 from .._stats import SenderStatistics
-from .._wire._protocol import Ack, Bye, Hello, MapSlots, Message, Receive, Setup, Staged, Stop, decode, encode
+from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Setup, Staged, Stop, decode, encode
+from ._poll import MAILBOX_BYTES
+from ._poll import Mailbox as _Mailbox
 from ._publisher import Publisher, Reservation
 
 __all__ = ["Sender"]
@@ -63,6 +65,12 @@ class _Link:
         self.bye: Bye | None = None
         self.lost = False
         self.tasks: list[asyncio.Task[None]] = []
+        self.mailbox: _Mailbox | None = None  # a polled worker's: versions go there, not as Receive
+
+    def close_mailbox(self) -> None:
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
 
 
 class _Worker(WorkerRecord):
@@ -174,6 +182,10 @@ class Sender(SenderCore[int, "_Worker"]):
         if link is not None and not link.lost and (link.pid is not None or link.child_conn is None):
             pid = f" (pid {link.pid})" if link.pid is not None else ""
             return f"worker {idx} is already connected{pid}; only one process can be worker {idx} at a time"
+        process = w.process
+        if link is not None and not link.lost and process is not None and getattr(process, "exitcode", None) is None:
+            # a child started with this worker's channel end that has not said hello yet
+            return f"worker {idx} is a process the trainer started (pid {process.pid}) and that is still starting"
         return None
 
     def adopt_link(self, idx: int, conn: Connection) -> None:
@@ -473,6 +485,7 @@ class Sender(SenderCore[int, "_Worker"]):
                 if w.link is not None:
                     w.link.tasks = []  # finished tasks keep tracebacks that point back at us
                     await w.link.queue.aclose()
+                    w.link.close_mailbox()
                     if w.link.child_conn is not None:
                         w.link.child_conn.close()
                         w.link.child_conn = None
@@ -548,11 +561,40 @@ class Sender(SenderCore[int, "_Worker"]):
         slot = self._pool.get(ref.slot)
         try:
             if slot.transient or slot.id not in link.mapped:
-                link.queue.put_bytes_nowait(encode(MapSlots((slot.id,), (slot.nbytes,), slot.transient)))
-                link.queue.send_fds([slot.fd])
-                if not slot.transient:
-                    link.mapped.add(slot.id)
-            link.queue.put_bytes_nowait(encode(Receive(ref.version, slot.id, skipped)))
+                self._map_slots(link, [slot])
+            if link.mailbox is not None:
+                # A polled worker reads it between its steps: no message, no wake-up there.
+                # (The slot's bytes are complete: the send's copy finished before publishing.)
+                link.mailbox.publish(ref.version, slot.id, skipped)
+            else:
+                link.queue.put_bytes_nowait(encode(Receive(ref.version, slot.id, skipped)))
+        except (BrokenChannelError, ClosedError, WouldBlock):
+            pass  # the channel's end is noticed by its reader callback, which reports it
+
+    def _map_slots(self, link: _Link, slots: list[Slot]) -> None:
+        """Have the worker map *slots* (their descriptors follow the message)."""
+        for slot in slots:
+            link.queue.put_bytes_nowait(encode(MapSlots((slot.id,), (slot.nbytes,), slot.transient)))
+            link.queue.send_fds([slot.fd])
+            if not slot.transient:
+                link.mapped.add(slot.id)
+
+    def _on_poll(self, link: _Link) -> None:
+        """The worker polls: give it a mailbox, and the reusable slots mapped up front (so
+        its polls rarely wait for its loop to map one)."""
+        if link.mailbox is not None:
+            raise ProtocolError("Poll: sent twice on one connection")
+        try:
+            self._map_slots(link, [s for s in self._pool.slots.values() if not s.transient and s.id not in link.mapped])
+            mailbox = _Mailbox.create()
+            try:
+                link.queue.put_bytes_nowait(encode(Mailbox(MAILBOX_BYTES)))
+                link.queue.send_fds([mailbox.fd])
+            except BaseException:
+                mailbox.close()
+                raise
+            mailbox.segment.close_fd()  # the worker holds its own copy now
+            link.mailbox = mailbox
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the channel's end is noticed by its reader callback, which reports it
 
@@ -590,6 +632,8 @@ class Sender(SenderCore[int, "_Worker"]):
             self._on_hello(w, link, msg)
         elif isinstance(msg, Bye):
             link.bye = msg
+        elif isinstance(msg, Poll):
+            self._on_poll(link)
         else:
             raise ProtocolError(f"{type(msg).__name__}: a worker never sends this message")
 
@@ -691,6 +735,7 @@ class Sender(SenderCore[int, "_Worker"]):
             if t is not current:
                 t.cancel()
         link.queue.close()
+        link.close_mailbox()
         if self._state == "running":
             # A replacement for this index can attach through a new channel.
             new = self._new_link(w)

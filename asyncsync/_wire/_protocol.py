@@ -2,9 +2,11 @@
 
 Sender -> worker: :class:`Setup` (once per connection), :class:`MapSlots` (followed by
 the slots' file descriptors), :class:`Receive` (apply the weights of ``version`` that
-sit in ``slot``; at most one is outstanding per worker), :class:`Stop`. Worker -> sender:
-:class:`Hello`, :class:`Ack`, :class:`Staged` (manual commit mode) and :class:`Bye` (the
-receiver ends, its weights already detached from every shared slot).
+sit in ``slot``; at most one is outstanding per worker), :class:`Mailbox` (to a polled
+worker, followed by the mailbox's descriptor; it then replaces ``Receive``), :class:`Stop`.
+Worker -> sender: :class:`Hello`, :class:`Poll` (this worker polls), :class:`Ack`,
+:class:`Staged` (manual commit mode) and :class:`Bye` (the receiver ends, its weights
+already detached from every shared slot).
 Every instruction names exactly the weights it refers to (slot and version), so a
 late or repeated message can never make a worker apply the wrong version.
 
@@ -41,6 +43,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_TARGETS",
     "NONCE_BYTES",
+    "Poll",
     "Ack",
     "Auth",
     "Beat",
@@ -49,6 +52,7 @@ __all__ = [
     "Group",
     "Hello",
     "Lost",
+    "Mailbox",
     "MapSlots",
     "Message",
     "Receive",
@@ -93,6 +97,20 @@ class Receive(NamedTuple):
     version: int
     slot: int
     skipped: int = 0
+
+
+class Poll(NamedTuple):
+    """Worker -> sender: this worker polls; deliver its versions through a mailbox
+    (a version word in shared memory) instead of ``Receive`` messages."""
+
+    worker_idx: int
+
+
+class Mailbox(NamedTuple):
+    """Sender -> worker: map this mailbox of ``nbytes``; its file descriptor follows on the
+    socket. From now on versions arrive there (``Receive`` is not sent any more)."""
+
+    nbytes: int
 
 
 class Stop(NamedTuple):
@@ -199,7 +217,7 @@ class Lost(NamedTuple):
     reason: str
 
 
-Message = Hello | Setup | MapSlots | Receive | Stop | Ack | Staged | Bye | Challenge | Auth | Welcome | Beat | Group | Transfer | Lost
+Message = Hello | Setup | MapSlots | Receive | Stop | Ack | Staged | Bye | Challenge | Auth | Welcome | Beat | Group | Transfer | Lost | Poll | Mailbox
 
 # ------------------------------------------------------------------------ wire format
 
@@ -221,6 +239,7 @@ _MAX_I64 = (1 << 63) - 1
 # Message type codes (u8). Never renumber: add new types at the end.
 _HELLO, _SETUP, _MAP_SLOTS, _RECEIVE, _STOP, _ACK, _STAGED, _BYE = range(1, 9)
 _CHALLENGE, _AUTH, _WELCOME, _BEAT, _GROUP, _TRANSFER, _LOST = range(9, 16)
+_POLL, _MAILBOX = range(16, 18)
 _NAMES = {
     _HELLO: "Hello",
     _SETUP: "Setup",
@@ -237,6 +256,8 @@ _NAMES = {
     _GROUP: "Group",
     _TRANSFER: "Transfer",
     _LOST: "Lost",
+    _POLL: "Poll",
+    _MAILBOX: "Mailbox",
 }
 NONCE_BYTES = 32  # Challenge / Auth nonces and HMAC-SHA256 digests
 MAX_TARGETS = 1 << 16  # local workers named in one Transfer
@@ -244,6 +265,9 @@ MAX_RANGES = 1 << 16  # byte ranges in one partial Transfer
 
 # Whole frames of the fixed-size messages, and fixed parts of the others (header included).
 _HELLO_S = struct.Struct(f"!{_HEAD}II")  # worker_idx u32, pid u32
+_POLL_S = struct.Struct(f"!{_HEAD}I")  # worker_idx u32
+_MAILBOX_S = struct.Struct(f"!{_HEAD}I")  # nbytes u32
+MAX_MAILBOX = 1 << 16  # bytes of a mailbox segment
 _RECEIVE_S = struct.Struct(f"!{_HEAD}qIQ")  # version i64, slot u32, skipped u64
 _STAGED_S = struct.Struct(f"!{_HEAD}IqI")  # worker_idx u32, version i64, holds u32|None
 _ACK_S = struct.Struct(f"!{_HEAD}IqBIddI")  # worker_idx, version, ok u8, holds, stage_s f64, commit_s f64, error length u32|None
@@ -349,6 +373,16 @@ def _encode_ack(m: Ack) -> bytes:
 
 def _encode_hello(m: Hello) -> bytes:
     return _HELLO_S.pack(MAGIC, PROTOCOL_VERSION, _HELLO, _HELLO_S.size - _H, m.worker_idx, m.pid)
+
+
+def _encode_poll(m: Poll) -> bytes:
+    return _POLL_S.pack(MAGIC, PROTOCOL_VERSION, _POLL, _POLL_S.size - _H, m.worker_idx)
+
+
+def _encode_mailbox(m: Mailbox) -> bytes:
+    if not 0 < m.nbytes <= MAX_MAILBOX:
+        raise ValueError(f"Mailbox: {m.nbytes} bytes is not in 1..{MAX_MAILBOX}")
+    return _MAILBOX_S.pack(MAGIC, PROTOCOL_VERSION, _MAILBOX, _MAILBOX_S.size - _H, m.nbytes)
 
 
 def _encode_staged(m: Staged) -> bytes:
@@ -474,6 +508,8 @@ _ENCODERS: dict[type, Callable[..., bytes]] = {
     Ack: _encode_ack,
     Staged: _encode_staged,
     Bye: _encode_bye,
+    Poll: _encode_poll,
+    Mailbox: _encode_mailbox,
 }
 
 
@@ -584,6 +620,19 @@ def _decode_hello(data: bytes) -> Hello:
             return Hello(worker, pid)
     _check_fixed(data, "Hello", _HELLO_S)
     raise AssertionError  # pragma: no cover
+
+
+def _decode_poll(data: bytes) -> Poll:
+    _check_fixed(data, "Poll", _POLL_S)
+    return Poll(_POLL_S.unpack_from(data)[4])
+
+
+def _decode_mailbox(data: bytes) -> Mailbox:
+    _check_fixed(data, "Mailbox", _MAILBOX_S)
+    nbytes = _MAILBOX_S.unpack_from(data)[4]
+    if not 0 < nbytes <= MAX_MAILBOX:
+        raise _error("Mailbox", "nbytes", f"{nbytes} bytes is not in 1..{MAX_MAILBOX}")
+    return Mailbox(nbytes)
 
 
 def _decode_staged(data: bytes) -> Staged:
@@ -842,4 +891,6 @@ _DECODERS: dict[int, Callable[[bytes], Message]] = {
     _ACK: _decode_ack,
     _STAGED: _decode_staged,
     _BYE: _decode_bye,
+    _POLL: _decode_poll,
+    _MAILBOX: _decode_mailbox,
 }

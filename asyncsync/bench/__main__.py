@@ -54,8 +54,9 @@ def parser() -> argparse.ArgumentParser:
         "--transports",
         type=_csv,
         default=None,
-        help="comma-separated: shm,queue,shm-uvloop,torchrl-mp,torchrl-shared,dist-gloo (default: all available but "
-        "dist-gloo; shm-uvloop: shm with the trainer and its workers on uvloop; "
+        help="comma-separated: shm,queue,shm-uvloop,shm-poll,torchrl-mp,torchrl-shared,dist-gloo (default: all available but "
+        "dist-gloo; shm-uvloop: shm with the trainer and its workers on uvloop; shm-poll: shm with workers that spin "
+        "on poll_nowait(), also reporting the publish-to-commit time; "
         "dist-gloo: the multi-host scheme on loopback, --hosts relays with --workers workers each, against a raw "
         "gloo broadcast of the same bytes)",
     )
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("--hosts must be >= 1", file=sys.stderr)
             return 2
     if transports is not None:
-        known = ("shm", "queue", "shm-uvloop", "torchrl-mp", "torchrl-shared")
+        known = ("shm", "queue", "shm-uvloop", "shm-poll", "torchrl-mp", "torchrl-shared")
         bad = [t for t in transports if t not in known]
         if bad:
             print(f"unknown transport(s) {bad}; expected some of {list(known)}", file=sys.stderr)

@@ -32,6 +32,7 @@ from torch import nn
 from asyncsync.bench import _cpu
 from asyncsync.bench._echo import measure_echo
 from asyncsync.bench._floors import measure_floors
+from asyncsync.bench._poll import POLL_TRANSPORTS, poll_worker, publish_to_commit, recording_publishes
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = [
@@ -63,7 +64,7 @@ def available_transports() -> list[str]:
     """asyncsync's transports (on uvloop too, when installed), plus torchrl's schemes when torchrl can be imported."""
     from asyncsync.bench._torchrl import available
 
-    return [*ASYNCSYNC_TRANSPORTS, *(UVLOOP_TRANSPORTS if _has_uvloop() else ()), *(TORCHRL_TRANSPORTS if available() else ())]
+    return [*ASYNCSYNC_TRANSPORTS, *POLL_TRANSPORTS, *(UVLOOP_TRANSPORTS if _has_uvloop() else ()), *(TORCHRL_TRANSPORTS if available() else ())]
 
 
 def _has_uvloop() -> bool:
@@ -290,10 +291,11 @@ async def run_asyncsync(
     """
     from asyncsync import MultiProcessWeightSyncScheme, flatten_parameters, spawn_workers
 
-    if transport in UVLOOP_TRANSPORTS:
-        transport = transport.removesuffix("-uvloop")
+    polled = transport in POLL_TRANSPORTS
+    if transport in UVLOOP_TRANSPORTS or polled:
+        transport = transport.removesuffix("-uvloop").removesuffix("-poll")
     if transport not in ASYNCSYNC_TRANSPORTS:
-        raise ValueError(f"unknown asyncsync transport {transport!r}; expected one of {ASYNCSYNC_TRANSPORTS + UVLOOP_TRANSPORTS}")
+        raise ValueError(f"unknown asyncsync transport {transport!r}; expected one of {ASYNCSYNC_TRANSPORTS + UVLOOP_TRANSPORTS + POLL_TRANSPORTS}")
     model = make_model(n_params, n_tensors, seed=0)
     if flat:
         flatten_parameters(model)
@@ -308,8 +310,10 @@ async def run_asyncsync(
     _reset_peak_rss()
     out: dict[str, Any] = {"latencies_ms": [], "t0": [], "t1": [], "versions": []}
     trainer_cpu_s = 0.0
+    recording = contextlib.ExitStack()  # shm-poll: stamps each mailbox write, until aclose
+    published = recording.enter_context(recording_publishes()) if polled else {}
     async with spawn_workers(
-        bench_worker,
+        poll_worker if polled else bench_worker,
         workers,
         args=(scheme, n_params, n_tensors, probe, tick),
         scheme=scheme,
@@ -354,6 +358,7 @@ async def run_asyncsync(
             out["last_copy_ms"] = stats.last_copy_ms
             out["worker_commit_ms"] = [w.commit_ms for w in stats.workers]
         finally:
+            recording.close()
             await scheme.aclose()
         results = await group.join(timeout=JOIN_TIMEOUT_S)
     expected = _param_sums(model)
@@ -361,6 +366,8 @@ async def run_asyncsync(
     if stale:
         raise RuntimeError(f"asyncsync workers {stale} do not hold the trainer's last weights")
     out["workers"] = [results[i] for i in sorted(results)]
+    if polled:
+        out.update(publish_to_commit(published, out["workers"], out["versions"]))
     out["peak_rss_worker_mb"] = max(r["peak_rss_mb"] for r in out["workers"])
     return out
 
@@ -465,8 +472,8 @@ def run_rows(
     """
     say = progress or (lambda _line: None)
     for t in transports:
-        if t not in (*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS, *TORCHRL_TRANSPORTS):
-            raise ValueError(f"unknown transport {t!r}; expected one of {(*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS, *TORCHRL_TRANSPORTS)}")
+        if t not in (*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS, *POLL_TRANSPORTS, *TORCHRL_TRANSPORTS):
+            raise ValueError(f"unknown transport {t!r}; expected one of {(*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS, *POLL_TRANSPORTS, *TORCHRL_TRANSPORTS)}")
         if t in UVLOOP_TRANSPORTS and not _has_uvloop():
             raise ValueError(f"transport {t!r} needs uvloop (pip install uvloop)")
     if any(t in TORCHRL_TRANSPORTS for t in transports):
@@ -517,6 +524,12 @@ def run_rows(
                         f"({_ms(row['trainer_cpu_ms_per_worker'])}/worker)  ({time.perf_counter() - t_start:.1f}s, "
                         f"others {row.get('other_cpu_pct', '?')}% CPU)"
                     )
+                    if "publish_to_commit_us" in row:
+                        say(
+                            f"{transport:>14} {spec:>8} x{nw}: publish->commit median {row['publish_to_commit_us']:.1f} us, "
+                            f"p90 {row['publish_to_commit_p90_us']:.1f} us (until the poll began {row['publish_to_poll_us']:.1f} us, "
+                            f"the committing poll {row['commit_poll_us']:.1f} us)"
+                        )
         _add_torchrl_ratios(rows)
         for line in _add_cpu_growth(rows):
             say(line)
@@ -612,6 +625,9 @@ def _latency_row(
         res = _run_loop(transport, run_asyncsync(transport, n_params, n_tensors, workers, repeats, flat=flat))
         row["sender_copy_ms"] = res["last_copy_ms"]
         row["worker_commit_ms"] = max(res["worker_commit_ms"])
+        for key in ("publish_to_commit_us", "publish_to_commit_p90_us", "publish_to_poll_us", "commit_poll_us"):
+            if key in res:
+                row[key] = res[key]
     row.update(summarize(res["latencies_ms"]))
     row["min_ms"] = min(res["latencies_ms"])
     row["repeats"] = n = len(res["latencies_ms"])
@@ -660,7 +676,7 @@ def _add_torchrl_ratios(rows: list[dict[str, Any]]) -> None:
     """vs_torchrl_* = torchrl's median / ours, same params and workers, same run."""
     medians = {(r["transport"], r["params"], r["workers"]): r["median_ms"] for r in rows if r["kind"] == "latency"}
     for r in rows:
-        if r["kind"] != "latency" or r["transport"] not in (*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS):
+        if r["kind"] != "latency" or r["transport"] not in (*ASYNCSYNC_TRANSPORTS, *UVLOOP_TRANSPORTS, *POLL_TRANSPORTS):
             continue
         for kind, key in (("torchrl-mp", "vs_torchrl_mp"), ("torchrl-shared", "vs_torchrl_shared")):
             theirs = medians.get((kind, r["params"], r["workers"]))

@@ -1,0 +1,298 @@
+"""Polled receivers (``init_on_receiver(..., poll=True)``), across real processes.
+
+The sender announces each version in the worker's shared-memory mailbox; the worker commits
+it at ``poll_nowait()``. An empty poll touches no socket (counted by a wrapper around the
+receiver's socket); every version sent with ``send()`` is committed by a poll, in order,
+and the newest wins; a version the worker cannot apply keeps its own weights and reaches
+the sender as a :class:`WorkerError`; a cancelled wait on the sender loses nothing; a
+polled worker that is killed is named at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError, WorkerProcessError, spawn_workers
+from asyncsync._io._queues import AsyncQueue
+from asyncsync._wire._protocol import Mailbox, Poll, decode, encode
+from tests._targets import fill_, make_model
+
+# Spawned workers import torch: on a loaded machine that alone can take most of a minute.
+pytestmark = pytest.mark.timeout(240)
+START_S = 120.0  # the scheme's bound on every wait, connect included
+EMPTY_POLLS = 10_000
+
+
+class _CountingSocket:
+    """Delegates to a socket and counts every call made through it."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._sock, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def _value(model: torch.nn.Module) -> float:
+    values = {v for p in model.parameters() for v in p.detach().flatten().tolist()}
+    return values.pop() if len(values) == 1 else float("nan")
+
+
+async def polled_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, ctrl: Any, kind: str = "mlp") -> dict[str, Any]:
+    """A polled worker driven by commands on *ctrl*; its background poller yields to the
+    loop every 64 polls (so that the loop can read commands and map slots)."""
+    torch.set_num_threads(1)
+    model = make_model(kind)
+    own = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model, poll=True)
+    q: AsyncQueue[Any] = AsyncQueue(ctrl)
+    committed: list[int] = []
+    polling = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def poller() -> None:
+        while not stop.is_set():
+            await polling.wait()
+            for _ in range(64):
+                version = scheme.poll_nowait()
+                if version is not None:
+                    committed.append(version)
+            await asyncio.sleep(0)
+
+    async with scheme:
+        task = asyncio.ensure_future(poller())
+        try:
+            while True:
+                cmd = (await q.get())[0]
+                if cmd == "empty":  # polls with nothing new, none of them touching the socket
+                    receiver = scheme.receiver
+                    queue = receiver._queue._end  # the framed pipe under the queue
+                    counter = _CountingSocket(queue._sock)
+                    queue._sock = counter  # type: ignore[assignment]
+                    try:
+                        results = {scheme.poll_nowait() for _ in range(EMPTY_POLLS)}
+                    finally:
+                        queue._sock = counter._sock
+                    await q.put((sorted(results, key=repr), counter.calls, scheme.version))
+                elif cmd == "poll":
+                    polling.set()
+                    await q.put("polling")
+                elif cmd == "pause":
+                    polling.clear()
+                    await asyncio.sleep(0)  # the poller ends its round of 64 polls first
+                    await q.put(scheme.version)
+                elif cmd == "report":
+                    same_as_own = all(torch.equal(v, own[k]) for k, v in model.state_dict().items())
+                    stats = scheme.statistics()
+                    await q.put((list(committed), scheme.version, _value(model), same_as_own, stats.rejected))  # type: ignore[union-attr]
+                elif cmd == "exit":
+                    break
+        finally:
+            stop.set()
+            polling.set()
+            await task
+    return {"version": scheme.version}
+
+
+async def _ask(q: AsyncQueue[Any], *cmd: Any) -> Any:
+    await q.put(cmd)
+    return await asyncio.wait_for(q.get(), START_S)
+
+
+class _Ctrl:
+    def __init__(self, n: int) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        pairs = [ctx.Pipe(duplex=True) for _ in range(n)]
+        self.theirs = [b for _, b in pairs]
+        self.ours = [AsyncQueue(a) for a, _ in pairs]
+
+    async def aclose(self) -> None:
+        for q in self.ours:
+            await q.aclose()
+        for c in self.theirs:
+            c.close()
+
+
+def test_the_poll_messages_round_trip() -> None:
+    assert decode(encode(Poll(3))) == Poll(3)
+    assert decode(encode(Mailbox(64))) == Mailbox(64)
+    with pytest.raises(ValueError, match="Mailbox"):
+        encode(Mailbox(0))
+
+
+def test_poll_needs_auto_commit() -> None:
+    scheme = MultiProcessWeightSyncScheme(commit_mode="manual")
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    from asyncsync.testing import loopback_worker
+
+    worker = loopback_worker(scheme, 0)
+    with pytest.raises(ValueError, match="commit_mode='auto'"):
+        worker.init_on_receiver(worker_idx=0, model=make_model(), poll=True)
+
+
+@contextlib.asynccontextmanager
+async def _polled_cluster(kinds: list[str], **options: Any) -> AsyncIterator[tuple[torch.nn.Module, MultiProcessWeightSyncScheme, list[AsyncQueue[Any]], Any]]:
+    """A trainer's scheme and one spawned :func:`polled_worker` per entry of *kinds* (its
+    model), with their command queues; the channels are closed at the end."""
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S, **options)
+    scheme.init_on_sender(model=trainer, num_workers=len(kinds))
+    ctrl = _Ctrl(len(kinds))
+    try:
+        async with spawn_workers(_kinded_worker, len(kinds), args=(scheme, ctrl.theirs, kinds), scheme=scheme) as workers:
+            yield trainer, scheme, ctrl.ours, workers
+    finally:
+        await ctrl.aclose()
+
+
+async def _kinded_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, ctrls: list[Any], kinds: list[str]) -> dict[str, Any]:
+    return await polled_worker(worker_idx, scheme, ctrls[worker_idx], kinds[worker_idx])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"commit": "copy"}, {"transfer_dtype": torch.bfloat16}, {"transport": "queue"}],
+    ids=["swap", "copy", "bf16-staged", "queue-transient-slots"],
+)
+async def test_an_empty_poll_touches_no_socket_and_every_version_is_committed_by_a_poll(options: dict[str, Any]) -> None:
+    async with _polled_cluster(["mlp"], **options) as (trainer, scheme, (q,), workers):
+        async with scheme:
+            results, socket_calls, version = await _ask(q, "empty")
+            assert results == [None] and socket_calls == 0 and version == 0
+            await _ask(q, "poll")
+            sent = []
+            for value in range(1, 21):
+                fill_(trainer, float(value))
+                sent.append(await scheme.send())  # returns once a poll committed it
+            # A burst: versions sent while one is in flight are skipped, the newest wins.
+            for value in range(21, 31):
+                fill_(trainer, float(value))
+                last = await scheme.send_async()
+            await scheme.wait_async(last)
+            committed, version, value_now, _, rejected = await _ask(q, "report")
+            assert version == last and value_now == 30.0 and rejected == 0
+            assert committed == sorted(set(committed)) and committed[-1] == last
+            assert set(sent) <= set(committed)  # each send() waited for its commit
+            assert scheme.sender.applied_versions() == {0: last}
+            assert scheme.statistics().worker(0).in_flight_version is None
+            await q.put(("exit",))
+        assert await workers.join(START_S) == {0: {"version": last}}
+
+
+async def test_a_version_the_polled_worker_cannot_apply_keeps_its_weights_and_raises_on_the_sender() -> None:
+    # worker 1's model does not fit the sent layout
+    async with _polled_cluster(["mlp", "wide"]) as (trainer, scheme, qs, workers):
+        with pytest.raises(WorkerError, match="worker 1"):
+            await scheme.connect()  # version 0 is refused by worker 1 (through its task)
+        for q in qs:
+            await _ask(q, "poll")
+        fill_(trainer, 5.0)
+        with pytest.raises(WorkerError, match="worker 1") as info:
+            await scheme.send()  # version 1: worker 1 refuses it at a poll
+        assert info.value.worker_idx == 1 and "does not fit" in str(info.value)
+        committed0, version0, value0, _, rejected0 = await _ask(qs[0], "report")
+        committed1, version1, _, same_as_own1, rejected1 = await _ask(qs[1], "report")
+        assert (committed0, version0, value0, rejected0) == ([1], 1, 5.0, 0)
+        assert (committed1, version1, same_as_own1, rejected1) == ([], -1, True, 2)
+        fill_(trainer, 6.0)
+        version = await scheme.send(worker_ids=[0])  # the good worker goes on
+        assert (await _ask(qs[0], "report"))[:3] == ([1, version], version, 6.0)
+        for q in qs:
+            await q.put(("exit",))
+        await scheme.aclose()
+        await workers.join(START_S)
+
+
+async def test_a_cancelled_wait_loses_nothing_and_a_timed_out_one_names_the_polled_worker() -> None:
+    async with _polled_cluster(["mlp"]) as (trainer, scheme, (q,), workers):
+        async with scheme:
+            fill_(trainer, 2.0)
+            version = await scheme.send_async()  # the worker does not poll: nothing commits it
+            waiter = asyncio.ensure_future(scheme.wait_async(version))
+            await asyncio.sleep(0)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            with pytest.raises(SyncTimeoutError, match="0"):
+                await scheme.wait_async(version, timeout=0.05)
+            assert scheme.sender.applied_versions() == {0: 0}
+            await _ask(q, "poll")
+            await scheme.wait_async(version)  # the ack the cancelled waiter missed is not lost
+            assert (await _ask(q, "report"))[:3] == ([version], version, 2.0)
+            await q.put(("exit",))
+        await workers.join(START_S)
+
+
+async def test_a_killed_polled_worker_is_named() -> None:
+    with pytest.raises(WorkerProcessError, match="worker 0.*-9"):  # the group reports it too
+        async with _polled_cluster(["mlp"]) as (trainer, scheme, (q,), workers):
+            async with scheme:
+                await _ask(q, "poll")
+                fill_(trainer, 3.0)
+                await scheme.send()
+                workers.kill(0)
+                await scheme.sender.wait_dead(0, timeout=START_S)
+                fill_(trainer, 4.0)
+                with pytest.raises(WorkerDiedError, match="worker 0") as info:
+                    await scheme.send()
+                assert info.value.exitcode == -signal.SIGKILL
+                assert scheme.statistics().worker(0).state == "dead"
+
+
+@pytest.mark.timeout(600)
+def test_the_local_state_machine_drives_a_polled_worker() -> None:
+    from hypothesis import HealthCheck, settings
+
+    from asyncsync import _stateful
+
+    machine = type("PolledMachine", (_stateful.ClusterMachine,), {"transports": ("local",), "always_poll": True})
+    _stateful.ClusterMachine.steps = 0
+    quick = settings(max_examples=12, stateful_step_count=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    _stateful.run_without_leaks(machine, quick)
+    assert _stateful.ClusterMachine.steps >= 12
+
+
+@pytest.mark.timeout(300)
+def test_the_polled_env_server_example_runs() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "polled_env_server.py"), "--updates", "5", "--envs", "2"],
+        capture_output=True, text=True, timeout=280, env=env, cwd=root,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "sent 5 versions" in out.stdout and "ends at version 5" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_bench_measures_publish_to_commit_for_polled_workers() -> None:
+    from asyncsync.bench._run import run_rows
+
+    (row,) = run_rows(["shm-poll"], ["10k"], [1], 5, echo=False, floors=False, memory=False)
+    assert row["transport"] == "shm-poll" and row["repeats"] == 5
+    # every timed version was committed by a poll, after it was published (causal orders only)
+    assert row["publish_to_poll_us"] <= row["publish_to_commit_us"] <= row["publish_to_commit_p90_us"]
+    assert row["publish_to_commit_us"] > 0 and row["commit_poll_us"] > 0
