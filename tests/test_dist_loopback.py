@@ -280,7 +280,7 @@ async def test_after_a_rejoin_a_partial_goes_whole_to_a_worker_that_lacks_its_ba
 
 def test_a_partial_update_travels_as_merged_byte_ranges_or_whole() -> None:
     from asyncsync._core._layout import Layout
-    from asyncsync._dist._sender import _changed_ranges
+    from asyncsync._dist._transfer import changed_ranges as _changed_ranges
 
     flat = {"a": torch.zeros(4), "b": torch.zeros(4), "big": torch.zeros(1 << 20), "c": torch.zeros(4)}
     layout = Layout.from_tensors(flat)
@@ -467,17 +467,21 @@ async def test_a_partial_update_is_whole_to_a_host_that_did_not_publish_its_base
         relay_local = relay.relay.local
         fill_(model, 1.0)
         assert await trainer.send() == 1
-        real = relay_local.publish_filled
+        real = relay_local.reserve
         lost: list[int] = []
 
-        async def publish_filled(fill: Any, version: int, *args: Any, **kwargs: Any) -> None:
+        def reserve(version: int, *args: Any, **kwargs: Any) -> Any:
+            landing = real(version, *args, **kwargs)
             if version == 2:
-                await fill(torch.empty(relay_local.layout.nbytes, dtype=torch.uint8))  # received, then lost
-                lost.append(version)
-                raise RuntimeError("landing lost")
-            await real(fill, version, *args, **kwargs)
 
-        relay_local.publish_filled = publish_filled  # type: ignore[method-assign]
+                def lose() -> None:  # received, then lost
+                    lost.append(version)
+                    raise RuntimeError("landing lost")
+
+                landing.publish = lose  # type: ignore[method-assign]
+            return landing
+
+        relay_local.reserve = reserve  # type: ignore[method-assign]
         fill_(model, 2.0)
         assert await trainer.send_async() == 2
         host = trainer.sender._hosts[1]

@@ -1,12 +1,15 @@
 """The relay: one per remote host, between the trainer's network transfers and local workers.
 
 A relay *is* a local :class:`~._scheme.MultiProcessWeightSyncScheme` sender whose weights
-come from the network: each transfer is received (broadcast or point-to-point, on the
-weight-sync group) straight into a free shared-memory slot of that local sender, which
-then publishes it to the host's workers through the local path (latest wins, atomic
-commits, acks, the ownership ledger: all unchanged). The relay forwards every local ack
-and every local worker's death to the trainer over its control stream, so the trainer
-knows each remote worker by ``(host, local index)``.
+come from the network: for each transfer it reserves a free shared-memory slot of that
+local sender (``Sender.reserve``), receives the bytes (broadcast or point-to-point, on the
+weight-sync group) straight into it, and publishes it to the host's workers through the
+local path (latest wins, atomic commits, acks, the ownership ledger: all unchanged). A
+receive given up while the backend still writes the slot abandons the reservation with
+that writer, so the slot stays reserved until it is done. As the local sender's observer
+(``Sender.observe``), the relay forwards every local ack and every local worker's death
+to the trainer over its control stream, so the trainer knows each remote worker by
+``(host, local index)``.
 
 If the trainer goes away (EOF, no heartbeat, a malformed frame), the relay closes its
 local channels without ``Stop``: every local worker ends with :class:`SenderDiedError`
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .._core._deadline import unless
 from .._core._offload import Offload
 from .._core._signal import Signal
 from .._errors import (
@@ -41,12 +45,12 @@ from .._errors import (
     WorkerDiedError,
     WorkerLeftError,
 )
-from .._local._sender import Sender, StillWriting
+from .._local._publisher import Reservation
+from .._local._sender import Sender
 from .._options import DEFAULT, Timeout, resolve_timeout
 from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
 from ._dataplane import SyncGroup
-from ._sender import unless
 
 __all__ = ["Relay"]
 
@@ -141,8 +145,7 @@ class Relay:
     async def _join(self, limit: float | None, deadline: float | None) -> None:
         """Find the trainer in the store, connect, authenticate; then start the tasks."""
         self.local.start()
-        self.local.on_ack = self._forward_ack
-        self.local.on_lost = self._forward_lost
+        self.local.observe(self)
         where = f"the rendezvous store at {self._store_name}"
         if self._store is None:
             if self._store_job is None or self._store_job.done() and self._store_job.exception() is not None:
@@ -289,42 +292,6 @@ class Relay:
         if group is None or group.generation != op.generation:
             logger.warning("asyncsync: host %d: transfer of version %d on generation %d, which this host is not part of", self.host, op.version, op.generation)
             return
-
-        async def fill(whole: torch.Tensor) -> None:
-            """Receive into *whole* (or, for a partial update, into its changed byte ranges);
-            give up (leaving the receive to the backend) as soon as the trainer announces a
-            new group: a peer died mid-transfer, and this receive may never complete (gloo
-            cannot abort it; it ends at the group's timeout)."""
-            buf: torch.Tensor | list[torch.Tensor] = [whole[o : o + n] for o, n in op.ranges] if op.ranges else whole
-            loop = asyncio.get_running_loop()
-            released: asyncio.Future[None] = loop.create_future()
-
-            def release() -> None:
-                if not released.done():
-                    released.set_result(None)
-
-            receive = group.recv(buf, 0, op.tag, release) if op.p2p else group.broadcast(buf, 0, release)
-            task = asyncio.ensure_future(receive)
-            announced = asyncio.ensure_future(self._changed.wait_until(self._group_announced, None))
-            try:
-                await asyncio.wait({task, announced}, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException as exc:  # cancelled (the relay closes): the backend may still write buf
-                if not task.done():
-                    task.cancel()
-                    exc.still_writing = released  # type: ignore[attr-defined]  # publish_filled keeps the slot mapped
-                raise
-            finally:
-                announced.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.wait({task})
-                raise StillWriting(f"transfer of version {op.version} abandoned: the trainer re-forms the group", released)
-            if task.exception() is not None and not released.done():
-                # Failed on this side (a timeout) while the backend still writes buf: the
-                # slot must stay reserved and mapped until it is done.
-                raise StillWriting(f"transfer of version {op.version} failed: {task.exception()}", released)
-            task.result()
-
         nbytes = self.local.layout.nbytes
         if any(o + n > nbytes for o, n in op.ranges):
             logger.error("asyncsync: host %d: transfer of version %d names bytes beyond the %d of the layout; ignored", self.host, op.version, nbytes)
@@ -333,26 +300,73 @@ class Relay:
             # Targets that do not have this version yet (a version may come in several
             # transfers for different workers, and a transfer repeated after a regroup).
             fresh = [i for i in op.targets if self.local.sent_version(i) < op.version]
-            if fresh:
-                base = op.base if op.base >= 0 else None
-                try:
-                    await self.local.publish_filled(fill, op.version, fresh, base_version=base)
-                except WeightsError as exc:  # a partial update this host cannot complete (not expected)
-                    logger.error("asyncsync: host %d: %s; the targets reject version %d", self.host, exc, op.version)
-                    await fill(self._scratch_buffer())  # every member of a broadcast takes part
-                    for i in fresh:
-                        self._forward_ack(i, Ack(i, op.version, False, f"host {self.host}: {exc}", None, 0.0, 0.0))
-                    return
+            if not fresh:  # already landed before a regroup: consume the bytes, publish nothing
+                await self._receive(op, group, self._scratch_buffer(), None)
+                return
+            base = op.base if op.base >= 0 else None
+            try:
+                async with self.local.reserve(op.version, fresh, base_version=base) as landing:
+                    if await self._receive(op, group, landing.buffer, landing):
+                        landing.publish()
+            except WeightsError as exc:  # a partial update this host cannot complete (not expected)
+                logger.error("asyncsync: host %d: %s; the targets reject version %d", self.host, exc, op.version)
+                await self._receive(op, group, self._scratch_buffer(), None)  # every member of a broadcast takes part
+                for i in fresh:
+                    self._forward_ack(i, Ack(i, op.version, False, f"host {self.host}: {exc}", None, 0.0, 0.0))
+                return
+            if landing.published:
                 self._published = op.version
                 self._changed.notify()
-            else:  # already landed before a regroup: consume the bytes, publish nothing
-                await fill(self._scratch_buffer())
-        except (BrokenChannelError, StillWriting) as exc:
+        except BrokenChannelError as exc:
             logger.warning("asyncsync: host %d: transfer of version %d failed (%s); waiting for the group to re-form", self.host, op.version, exc)
         except ClosedError:
             pass
         except Exception:  # e.g. CapacityError under a max_slots cap: this transfer is lost, the relay goes on
             logger.exception("asyncsync: host %d: landing version %d failed; the trainer will time out waiting for its acks", self.host, op.version)
+
+    async def _receive(self, op: Transfer, group: SyncGroup, whole: torch.Tensor, landing: Reservation | None) -> bool:
+        """Receive *op* into *whole* (or, for a partial update, into its changed byte
+        ranges); True once it is complete. Gives up (False), leaving the receive to the
+        backend, as soon as the trainer announces a new group: a peer died mid-transfer,
+        and this receive may never complete (gloo cannot abort it; it ends at the group's
+        timeout). Whenever the backend may still write *whole* after this returns or raises,
+        *landing* is abandoned with that writer, so its slot stays reserved until it is done."""
+        buf: torch.Tensor | list[torch.Tensor] = [whole[o : o + n] for o, n in op.ranges] if op.ranges else whole
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def release() -> None:
+            if not released.done():
+                released.set_result(None)
+
+        def left_writing(why: str) -> bool:
+            if landing is not None:
+                landing.abandon(still_writing=released)
+            logger.warning("asyncsync: host %d: transfer of version %d %s; waiting for the group to re-form", self.host, op.version, why)
+            return False
+
+        receive = group.recv(buf, 0, op.tag, release) if op.p2p else group.broadcast(buf, 0, release)
+        task = asyncio.ensure_future(receive)
+        announced = asyncio.ensure_future(self._changed.wait_until(self._group_announced, None))
+        try:
+            await asyncio.wait({task, announced}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (the relay closes): the backend may still write buf
+            if not task.done():
+                task.cancel()
+                if landing is not None:
+                    landing.abandon(still_writing=released)
+            raise
+        finally:
+            announced.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            return left_writing("abandoned: the trainer re-forms the group")
+        failed = task.exception()
+        if failed is not None and not released.done():
+            # Failed on this side (a timeout) while the backend still writes buf.
+            return left_writing(f"failed ({failed})")
+        task.result()
+        return True
 
     def _scratch_buffer(self) -> torch.Tensor:
         if self._scratch is None:
@@ -373,24 +387,29 @@ class Relay:
         self._state = "stopped"
         self._changed.notify()
 
+    # The local sender's observer (see SenderObserver): forwarded to the trainer as they come.
+
+    def worker_answered(self, worker_idx: int, ack: Ack) -> None:
+        self._forward_ack(worker_idx, ack)
+
+    def worker_lost(self, worker_idx: int, death: WorkerDiedError) -> None:
+        if self._stream is None:
+            return
+        if isinstance(death, WorkerLeftError):
+            msg = Lost(worker_idx, None, death.reason or "left")
+        else:
+            msg = Lost(worker_idx, death.exitcode if death.exitcode is not None else -1, str(death))
+        try:
+            self._stream.send(msg)
+        except BrokenChannelError:
+            pass
+
     def _forward_ack(self, idx: int, ack: Ack) -> None:
         if self._stream is not None:
             try:
                 self._stream.send(Ack(idx, ack.version, ack.ok, ack.error, None, ack.stage_s, ack.commit_s))
             except BrokenChannelError:
                 pass
-
-    def _forward_lost(self, idx: int, death: WorkerDiedError) -> None:
-        if self._stream is None:
-            return
-        if isinstance(death, WorkerLeftError):
-            msg = Lost(idx, None, death.reason or "left")
-        else:
-            msg = Lost(idx, death.exitcode if death.exitcode is not None else -1, str(death))
-        try:
-            self._stream.send(msg)
-        except BrokenChannelError:
-            pass
 
     async def _crash(self, hang: bool = False) -> SyncGroup | None:
         """What a killed relay process leaves behind, in this process (a test's fault): the

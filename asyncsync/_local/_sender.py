@@ -16,11 +16,10 @@ import functools
 import logging
 import multiprocessing as mp
 import os
-import time
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import torch
@@ -29,28 +28,24 @@ from .._core._acks import WorkerRecord
 from .._core._deadline import Deadline
 from .._core._front import SenderCore, Targets
 from .._core._layout import Layout
-from .._core._offload import THREAD_COPY_BYTES
 from .._core._ownership import Ref, SlotLedger
 from .._errors import (
     BrokenChannelError,
-    CapacityError,
     ClosedError,
     ProtocolError,
-    SyncTimeoutError,
     WeightsError,
     WorkerDiedError,
     WorkerLeftError,
     WouldBlock,
 )
-from .._core._flat import SpanCopier
 from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
-from .._io._staging import copy_tensors
 from .._options import DEFAULT, OnWorkerError, UseDefault
 from .._stats import SenderStatistics
 from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Setup, Staged, Stop, decode, encode
 from ._poll import MAILBOX_BYTES
 from ._poll import Mailbox as _Mailbox
+from ._publisher import Publisher, Reservation
 
 __all__ = ["Sender"]
 
@@ -94,13 +89,23 @@ class _Worker(WorkerRecord):
         self.sentinel: int | None = None
 
 
-class StillWriting(Exception):
-    """Raised by a ``publish_filled`` fill that gives up while its writer still runs;
-    ``done`` resolves once the buffer is no longer written."""
+class SenderObserver(Protocol):
+    """What a sender tells the one observer registered with :meth:`Sender.observe` (a relay,
+    which forwards it to its trainer).
 
-    def __init__(self, message: str, done: asyncio.Future[None]) -> None:
-        super().__init__(message)
-        self.done = done
+    An explicit, typed observer rather than callbacks assigned as attributes (two of them
+    to keep in step, silently overwritten) or an event stream (a consumer task, a buffer
+    that grows while it lags, one wake-up per ack on the ack path): each method is called
+    synchronously where the sender learns the event (the reader callback that decoded an
+    ack, the task that noticed a loss), before any waiter sees it, in the order the
+    workers said it. It must not block; an exception is logged and changes nothing else.
+    """
+
+    def worker_answered(self, worker_idx: int, ack: Ack) -> None:
+        """Worker *worker_idx* applied (``ack.ok``) or rejected ``ack.version``."""
+
+    def worker_lost(self, worker_idx: int, death: WorkerDiedError) -> None:
+        """Worker *worker_idx* died or left (a :class:`WorkerLeftError`)."""
 
 
 class Sender(SenderCore[int, "_Worker"]):
@@ -156,11 +161,8 @@ class Sender(SenderCore[int, "_Worker"]):
         super().__init__(
             self._workers, source_layout=source_layout, wire_layout=wire_layout, sync=sync, timeout=timeout, on_worker_error=on_worker_error, check_finite=check_finite
         )
-        self._bytes = 0
-        self._spans = SpanCopier(wire_layout)  # one copy per span of a flattened source
-        # Called with each worker's answers and losses (a relay forwards them to its trainer).
-        self.on_ack: Callable[[int, Ack], None] | None = None
-        self.on_lost: Callable[[int, WorkerDiedError], None] | None = None
+        self._slots = Publisher(pool, self._ledger, wire_layout, records=self._workers, copier=self._copier, changed=self._changed, phase=lambda: self._state)
+        self._observer: SenderObserver | None = None
 
     # ----------------------------------------------------------------- channels
 
@@ -278,68 +280,69 @@ class Sender(SenderCore[int, "_Worker"]):
     async def _open(self) -> None:
         self.start()
 
-    async def publish_filled(
+    def observe(self, observer: SenderObserver | None) -> None:
+        """Tell *observer* every worker's answers and losses from now on (None: stop).
+
+        One observer at a time (a relay): registering a second one raises ``RuntimeError``.
+        """
+        if observer is not None and self._observer is not None and observer is not self._observer:
+            raise RuntimeError("this sender already has an observer")
+        self._observer = observer
+
+    def reserve(
         self,
-        fill: Callable[[torch.Tensor], Awaitable[None]],
         version: int,
         worker_ids: int | Iterable[int] | None = None,
         *,
         base_version: int | None = None,
-    ) -> None:
-        """Publish *version* whose bytes ``await fill(buffer)`` writes straight into a slot.
+        timeout: float | None = None,
+    ) -> Reservation:
+        """A slot to write *version* into in place, for *worker_ids*; use it as ``async with``.
 
-        For a relay: *buffer* is the slot itself (a uint8 tensor of the wire layout), so
-        weights received from the network land in shared memory without another copy.
-        *version* must be newer than what each target was sent (one version may be
-        published in several slots, to different workers, as a partial update does; an
-        older one than the newest may go to a worker that lacks it). With *base_version* (a partial update), the
-        slot first gets a copy of the targets' newest version, which must be
-        *base_version* in one slot for all of them, and *fill* writes only what changed.
-        If *fill* raises, the slot is released and nothing is published.
+        For a relay: the reservation's ``buffer`` is the slot itself (a uint8 tensor of the
+        wire layout), so weights received from the network land in shared memory without
+        another copy; ``publish()`` makes them the targets' newest version. *version* must
+        be newer than what each target was sent (one version may be published in several
+        slots, to different workers, as a partial update does; an older one than the newest
+        may go to a worker that lacks it). With *base_version* (a partial update), the slot
+        first gets a copy of the targets' newest version, which must be *base_version* in
+        one slot for all of them (else :class:`WeightsError`), and the holder writes only
+        what changed. *timeout* bounds the wait for the send lock and for a free slot.
+        Leaving the block without ``publish()`` (an exception, a cancellation) gives the
+        slot back; see :class:`~._publisher.Reservation` for a writer that cannot be stopped.
+
+        Example::
+
+            async with sender.reserve(version, [0, 1]) as landing:
+                await receive_into(landing.buffer)
+                landing.publish()
         """
         self._check_running()
         targets = self._targets(worker_ids)
-        self._check_newer(version, targets)  # fail early...
+        self._check_newer(version, targets)  # fail early, and again once the send lock is held
         assert self._send_lock is not None
-        async with self._send_lock:
-            self._check_running()
-            self._check_newer(version, targets)  # ...and for sure, under the lock
-            base = None if base_version is None else self._base_slot(targets, base_version)
-            slot = await self._acquire_slot(Deadline(None))
-            try:
-                if base is not None:
-                    await self._write(slot, {}, base)
-                await fill(self._pool.views_buffer(slot))
-            except BaseException as exc:
-                if slot.copying:
-                    raise  # the copy thread still writes it: it is released when that is done
-                writer = exc.done if isinstance(exc, StillWriting) else getattr(exc, "still_writing", None)
-                if writer is None:
-                    self._unreserve([slot])
-                    raise
-                # Abandoned (or cancelled) while something (a network receive) still writes
-                # the slot: it stays reserved, off the books, and mapped until that is done.
-                slot.copying = True
-                slot.writer = writer
-                writer.add_done_callback(lambda _f: self._written_late(slot))
-                raise
-            if version > self._version:
-                self._sends += 1
-                self._version = version
-            if base is None:  # (else _write counted the copy of the base)
-                self._bytes += self._layout.nbytes
-            self._publish([(slot, targets)], version)
+        return Reservation(
+            self._slots,
+            self._send_lock,
+            version=version,
+            targets=targets,
+            base_version=base_version,
+            timeout=timeout,
+            check=functools.partial(self._check_landing, version, targets),
+            publish=functools.partial(self._publish_landing, version, targets),
+        )
 
-    def _base_slot(self, targets: list[int], base_version: int) -> int:
-        """The one slot holding every target's newest version, *base_version*."""
-        refs = {i: self._ledger.latest.get(i) for i in targets}
-        slots = {r.slot for r in refs.values() if r is not None and r.version == base_version}
-        if len(slots) != 1 or any(r is None or r.version != base_version for r in refs.values()):
-            have = {i: (r.version if r is not None else None) for i, r in refs.items()}
-            raise WeightsError(f"cannot complete a partial update from version {base_version}: the targets' newest versions are {have}")
-        slot = slots.pop()
-        assert slot is not None
-        return slot
+    def _check_landing(self, version: int, targets: list[int]) -> None:
+        self._check_running()
+        self._check_newer(version, targets)
+
+    def _publish_landing(self, version: int, targets: list[int], slot: Slot, based: bool) -> None:
+        if version > self._version:
+            self._sends += 1
+            self._version = version
+        if not based:  # (else the copy of the base was counted)
+            self._slots.bytes += self._layout.nbytes
+        self._publish([(slot, targets)], version)
 
     def _check_newer(self, version: int, targets: list[int]) -> None:
         # Per worker only: a relay may publish an older version to a worker that lacks it
@@ -359,21 +362,6 @@ class Sender(SenderCore[int, "_Worker"]):
             for i in members:
                 self._pump(self._workers[i])
         self._release_unused()
-        self._changed.notify()
-
-    def _unreserve(self, slots: list[Slot]) -> None:
-        """Give back slots reserved by a send that publishes nothing."""
-        for slot in slots:
-            self._ledger.unreserve(slot.id)
-        self._release_unused()
-        self._changed.notify()
-
-    def _written_late(self, slot: Slot) -> None:
-        """The writer a failed send left behind (copy thread, network receive) is done: free its slot."""
-        slot.copying = False
-        self._ledger.unreserve(slot.id)
-        if self._state != "closed":
-            self._release_unused()
         self._changed.notify()
 
     async def connect(self, timeout: float | None | UseDefault = DEFAULT, weights: Any = None) -> int:
@@ -424,11 +412,11 @@ class Sender(SenderCore[int, "_Worker"]):
             written: list[tuple[Slot, list[int]]] = []
             try:
                 for flat, members, base in plan:
-                    slot = await self._acquire_slot(deadline)
+                    slot = await self._slots.acquire(deadline)
                     written.append((slot, members))
-                    await self._write(slot, flat, base)
+                    await self._slots.write(slot, flat, base)
             except BaseException:
-                self._unreserve([slot for slot, _ in written if not slot.copying])
+                self._slots.unreserve([slot for slot, _ in written if not slot.copying])
                 raise
             self._version += 1
             version = self._version
@@ -463,10 +451,10 @@ class Sender(SenderCore[int, "_Worker"]):
         return SenderStatistics(
             version=self._version,
             sends=self._sends,
-            bytes_copied=self._bytes,
+            bytes_copied=self._slots.bytes,
             slots=len(self._pool.slots),
             slot_bytes=self._layout.nbytes,
-            last_copy_ms=self._last_copy_s * 1e3,
+            last_copy_ms=self._slots.last_copy_s * 1e3,
             workers=workers,
         )
 
@@ -562,63 +550,8 @@ class Sender(SenderCore[int, "_Worker"]):
                 out.append((flat, ids, base))
         return out
 
-    async def _acquire_slot(self, deadline: Deadline) -> Slot:
-        slot = self._pool.acquire()
-        if slot is not None:  # the common case: no closure, no wait
-            return slot
-        got: list[Slot] = []
-
-        def free_slot() -> bool:
-            if self._state != "running":
-                raise ClosedError("the sender was closed while waiting for a free slot")
-            slot = self._pool.acquire()
-            if slot is not None:
-                got.append(slot)
-                return True
-            if not self._can_free_a_slot():
-                raise CapacityError(
-                    f"no free shared-memory slot among max_slots={self._pool.max_slots} and no answer pending "
-                    "that would free one; held: "
-                    + "; ".join(f"slot {s}: {', '.join(self._ledger.owners(s))}" for s in sorted(self._pool.slots))
-                )
-            return False
-
-        timeout = deadline.remaining()
-        if not await self._changed.wait_until(free_slot, timeout):
-            pending = {i: w.applied for i, w in self._workers.items() if (lk := self._ledger.links.get(i)) and lk.in_flight}
-            raise SyncTimeoutError("waiting for a free shared-memory slot", pending, timeout)
-        return got[0]
-
-    def _can_free_a_slot(self) -> bool:
-        """Whether an outstanding answer or a finishing copy can still free a slot."""
-        if self._copier.busy:
-            return True
-        return any(link.in_flight is not None or link.staged is not None for link in self._ledger.links.values())
-
     def _release_unused(self) -> None:
         self._pool.release_unused()
-
-    async def _write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: int | None) -> None:
-        keys = self._layout.keys
-        dst = list(map(self._pool.views(slot).__getitem__, keys))
-        if base is None:
-            src = list(map(flat.__getitem__, keys))
-            fused = self._spans.pairs(self._pool.views_buffer(slot), src)
-            if fused is not None:
-                dst, src = fused
-        else:
-            base_views = self._pool.views(self._pool.get(base))
-            src = [flat[k] if k in flat else base_views[k] for k in keys]
-        t0 = time.perf_counter()
-
-        def keep() -> None:  # the copy thread still writes it: reserved until it is done
-            slot.copying = True
-
-        await self._copier.run(
-            copy_tensors, dst, src, inline=self._layout.nbytes < THREAD_COPY_BYTES, keep=keep, release=lambda: self._written_late(slot)
-        )
-        self._last_copy_s = time.perf_counter() - t0
-        self._bytes += self._layout.nbytes
 
     def _pump(self, w: _Worker) -> None:
         """Send the worker its newest version if nothing is in flight (latest wins)."""
@@ -745,11 +678,11 @@ class Sender(SenderCore[int, "_Worker"]):
 
     def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
         self._ledger.on_ack(w.idx, ack.version, ack.ok, ack.holds)
-        if self.on_ack is not None:
+        if self._observer is not None:
             try:
-                self.on_ack(w.idx, ack)
-            except Exception:  # the hook's failure is not the worker's: it stays connected
-                logger.exception("worker %d: the on_ack hook failed", w.idx)
+                self._observer.worker_answered(w.idx, ack)
+            except Exception:  # the observer's failure is not the worker's: it stays connected
+                logger.exception("worker %d: the sender's observer failed on its answer", w.idx)
         self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)  # (it notifies)
         self._pump(w)
         if not self._pool.reuse:
@@ -796,11 +729,11 @@ class Sender(SenderCore[int, "_Worker"]):
             self._acks.lost(w.idx, "dead", WorkerDiedError(w.idx, exitcode, link.pid), exitcode)
             w.process = None
             self._drop_sentinel(w)
-        if self.on_lost is not None and w.death is not None and w.state in ("dead", "left"):
+        if self._observer is not None and w.death is not None and w.state in ("dead", "left"):
             try:
-                self.on_lost(w.idx, w.death)
+                self._observer.worker_lost(w.idx, w.death)
             except Exception:
-                logger.exception("worker %d: the on_lost hook failed", w.idx)
+                logger.exception("worker %d: the sender's observer failed on its loss", w.idx)
         if broken is not None:
             # Its process may still view the slots it held: they are never written again.
             self._ledger.retire(w.idx)

@@ -1,0 +1,283 @@
+"""The trainer's table of remote hosts: each relay's control connection (accept, the
+handshake, the read loop), its workers' answers and losses, and a host's loss.
+
+A relay connects over TCP and proves the shared token; the newest connection for a host
+wins. Its workers' acks and losses come back over that stream and go to the sender's
+:class:`~.._core._acks.AckTracker`, named ``(host, local index)``. A host whose
+connection ends (EOF, no heartbeat, a malformed frame) is declared lost at once, with
+every one of its workers. Each join or loss sets :attr:`HostTable.regroup`: the transfer
+side re-forms the weight-sync group from the hosts connected then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .._core._acks import AckTracker, WorkerRecord
+from .._core._layout import Layout
+from .._core._signal import Signal
+from .._errors import AuthenticationError, BrokenChannelError, HostLostError, ProtocolError, WorkerDiedError, WorkerLeftError
+from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Lost, Setup, Welcome
+from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
+
+if TYPE_CHECKING:
+    from ._transfer import Snapshot
+
+__all__ = ["Host", "HostTable", "RemoteWorker", "WorkerId"]
+
+logger = logging.getLogger("asyncsync")
+
+WorkerId = tuple[int, int]
+
+
+class RemoteWorker(WorkerRecord):
+    """One remote worker: its delivery state (kept by the :class:`AckTracker`) and the
+    buffer holding its newest version."""
+
+    def __init__(self, wid: WorkerId) -> None:
+        super().__init__(wid)
+        self.wid: WorkerId = wid
+        self.latest: Snapshot | None = None
+
+
+class Host:
+    """One remote host: its relay's connection, its workers, and what is pending for it."""
+
+    def __init__(self, idx: int, num_workers: int) -> None:
+        self.idx = idx
+        self.num_workers = num_workers
+        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.stream: ControlStream | None = None
+        self.pid: int | None = None
+        self.peer: str | None = None
+        self.connections = 0
+        self.reason: str | None = None
+        self.workers = {i: RemoteWorker((idx, i)) for i in range(num_workers)}
+        # (version, buffer serial) -> (buffer, local targets). One version may need several
+        # buffers on one host: a partial update completed from different bases per worker.
+        self.pending: dict[tuple[int, int], tuple[Snapshot, set[int]]] = {}
+        self.delivered = -1
+        self.tasks: list[asyncio.Task[None]] = []
+        self.busy = False  # a transfer to this host is in flight
+
+    def requeue(self) -> None:
+        """Transfer again each worker's newest version it has not acked (after the group
+        re-formed, or the host connected again): a relay gives up a receive when a new
+        generation is announced, even one whose bytes had all left the trainer (the relay
+        skips what it already holds)."""
+        for w in self.workers.values():
+            if w.latest is not None and w.applied < w.latest.version and w.state in ("waiting", "connected"):
+                self.pending.setdefault((w.latest.version, w.latest.serial), (w.latest, set()))[1].add(w.wid[1])
+
+
+class HostTable:
+    """The hosts and their control connections (see the module docstring)."""
+
+    def __init__(
+        self,
+        hosts: dict[int, Host],
+        *,
+        acks: AckTracker[WorkerId, RemoteWorker],
+        changed: Signal,
+        phase: Callable[[], str],
+        layout: Layout,
+        token: bytes,
+        heartbeat: float,
+        silence_timeout: float | None,
+    ) -> None:
+        self.hosts = hosts
+        # The sender's, shared with the transfer side: acks, change signal, state (new | running | closing | closed).
+        self.acks = acks
+        self.changed = changed
+        self.phase = phase
+        self._layout = layout
+        self._token = token
+        self.heartbeat = heartbeat
+        self.silence_timeout = silence_timeout
+        self.regroup = True  # the connected hosts changed since the group last formed
+        self._server: asyncio.Server | None = None
+        self._streams: set[ControlStream] = set()  # every control connection not yet closed
+
+    @staticmethod
+    def make(hosts: dict[int, int]) -> dict[int, Host]:
+        """One record per host, for ``{host: number of workers}``."""
+        return {h: Host(h, n) for h, n in sorted(hosts.items())}
+
+    def host(self, host: int) -> Host:
+        try:
+            return self.hosts[host]
+        except KeyError:
+            raise ValueError(f"unknown host {host!r}; hosts are {sorted(self.hosts)}") from None
+
+    def connected(self) -> list[int]:
+        return [h.idx for h in self.hosts.values() if h.state == "connected"]
+
+    def connected_streams(self) -> list[ControlStream]:
+        return [h.stream for h in self.hosts.values() if h.state == "connected" and h.stream is not None]
+
+    async def listen(self, bind: str, port: int) -> int:
+        """Accept relays on *bind*:*port* (0: any free port); return the port."""
+        self._server = await asyncio.start_server(self._accept, bind, port)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [t for h in self.hosts.values() for t in h.tasks]
+
+    async def aclose(self) -> None:
+        """Close every control connection and the listener (the tasks are ended already)."""
+        for h in self.hosts.values():
+            h.tasks = []
+            h.stream = None
+        streams, self._streams = list(self._streams), set()
+        for stream in streams:  # (those of lost hosts are closed already: their threads end)
+            await stream.aclose()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    # ----------------------------------------------------------------- connections
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        addr = writer.get_extra_info("peername")
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        stream = ControlStream(reader, writer, f"relay at {peer}")
+        self._streams.add(stream)
+        try:
+            host = await asyncio.wait_for(self._handshake(stream), 10.0)
+        except (ProtocolError, AuthenticationError, BrokenChannelError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
+            logger.warning("asyncsync: closed control connection from %s: %s", peer, exc if str(exc) else type(exc).__name__)
+            await stream.aclose()
+            return
+        except asyncio.CancelledError:
+            await stream.aclose()
+            raise
+        if self.phase() != "running":
+            await stream.aclose()
+            return
+        h = self.hosts[host.host]
+        if h.stream is not None:
+            # The newest connection wins (a restarted host may come back before its old
+            # connection is noticed dead); the old relay is told why it is dropped.
+            old = h.stream
+            self.lose(h, "it connected again (the old connection is dropped)", state="dead")
+            try:
+                old.send(Bye(h.idx, -1, f"replaced by another relay for host {h.idx} (pid {host.pid} at {peer})"))
+            except BrokenChannelError:
+                pass
+            await old.aclose()
+            if self.phase() != "running" or h.stream is not None:
+                await stream.aclose()
+                return
+        stream.limit = FRAME_LIMIT
+        h.stream = stream
+        h.state = "connected"
+        h.pid = host.pid
+        h.peer = peer
+        h.reason = None
+        h.connections += 1
+        h.delivered = -1
+        h.pending.clear()
+        for w in h.workers.values():
+            self.acks.expect(w.wid, h.connections)  # nothing it answered before counts
+        h.requeue()  # each worker's newest version goes first
+        try:
+            stream.send(Setup(self._layout, None, os.getpid()))
+        except BrokenChannelError:
+            pass
+        loop = asyncio.get_running_loop()
+        for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
+            t.cancel()
+        h.tasks = [t for t in h.tasks if not t.done()]
+        h.tasks.append(loop.create_task(self._read_loop(h, stream)))
+        stream.start_heartbeat(self.heartbeat)
+        self.regroup = True
+        logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
+        self.changed.notify()
+
+    async def _handshake(self, stream: ControlStream) -> Auth:
+        nonce = new_nonce()
+        stream.send(Challenge(nonce))
+        msg = await stream.recv()
+        if not isinstance(msg, Auth):
+            raise ProtocolError(f"{stream.peer}: expected Auth, got {type(msg).__name__}")
+        if not hmac.compare_digest(msg.mac, auth_mac(self._token, nonce, msg.host, msg.num_workers)):
+            raise AuthenticationError(f"{stream.peer} (claiming host {msg.host}) failed the token challenge: wrong token")
+        if msg.host not in self.hosts:
+            raise ValueError(f"{stream.peer} claims host {msg.host}, which is not one of {sorted(self.hosts)}")
+        expected = self.hosts[msg.host].num_workers
+        if msg.num_workers != expected:
+            raise ValueError(f"host {msg.host} at {stream.peer} has {msg.num_workers} workers, the trainer expects {expected}")
+        stream.send(Welcome(welcome_mac(self._token, msg.nonce)))
+        return msg
+
+    async def _read_loop(self, h: Host, stream: ControlStream) -> None:
+        try:
+            while True:
+                msg = await stream.recv(timeout=self.silence_timeout)
+                if h.stream is not stream:
+                    return
+                if isinstance(msg, Ack):
+                    self._on_ack(h, msg)
+                elif isinstance(msg, Lost):
+                    self._on_worker_lost(h, msg)
+                elif isinstance(msg, Bye):
+                    self.lose(h, f"its relay left: {msg.reason}", state="left")
+                    return
+                elif isinstance(msg, Beat):
+                    pass
+                else:
+                    raise ProtocolError(f"{stream.peer}: {type(msg).__name__} is not something a relay sends")
+        except ProtocolError as exc:
+            logger.warning("asyncsync: closing the control connection of host %d: %s", h.idx, exc)
+            if h.stream is stream:
+                self.lose(h, f"it sent a malformed message ({exc}); its connection was closed")
+        except BrokenChannelError as exc:
+            if h.stream is stream:
+                self.lose(h, str(exc))
+        finally:
+            stream.close()
+            await stream.wait_closed()
+            self._streams.discard(stream)
+
+    def _on_ack(self, h: Host, ack: Ack) -> None:
+        w = h.workers.get(ack.worker_idx)
+        if w is None:
+            logger.warning("asyncsync: host %d acked unknown worker %d", h.idx, ack.worker_idx)
+            return
+        self.acks.connected(w.wid)  # its first answer on this connection (or a replacement process)
+        self.acks.ack(w.wid, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)
+
+    def _on_worker_lost(self, h: Host, msg: Lost) -> None:
+        w = h.workers.get(msg.worker_idx)
+        if w is None:
+            return
+        wid = w.wid
+        if msg.exitcode is None:
+            self.acks.lost(wid, "left", WorkerLeftError(wid, f"{msg.reason} (on host {h.idx})", w.applied))  # type: ignore[arg-type]
+        else:
+            self.acks.lost(wid, "dead", WorkerDiedError(wid, msg.exitcode, None, f"on host {h.idx}: {msg.reason}"), msg.exitcode)  # type: ignore[arg-type]
+
+    def lose(self, h: Host, reason: str, state: str = "dead") -> None:
+        """Host *h* is gone: name it, with each of its workers, and re-form the group."""
+        if self.phase() in ("closing", "closed"):
+            h.state = "stopped"
+            for w in h.workers.values():
+                self.acks.stopped(w.wid)
+        else:
+            h.state = state
+            h.reason = reason
+            logger.warning("asyncsync: host %d lost: %s", h.idx, reason)
+            for w in h.workers.values():
+                self.acks.lost(w.wid, "dead", HostLostError(h.idx, w.wid, reason, h.pid))
+        h.stream = None
+        self.regroup = True  # without it (also while a generation is forming)
+        self.changed.notify()
