@@ -1,0 +1,364 @@
+"""The local sender's link table: one channel (generation) per worker at a time, what
+each worker says on it, and its loss.
+
+The loop's reader callback of each connection turns the worker's answers (``Hello``,
+``Ack``, ``Staged``, ``Bye``) into state as they arrive (no task per message): the
+ownership ledger, the :class:`~.._core._acks.AckTracker`, and the sender's observer. A
+worker has at most one ``Receive`` outstanding; when it answers, it is handed its newest
+version (latest wins). A channel that ends (EOF, the process's sentinel, a malformed
+message) makes the worker dead or left, frees what it held, and opens the next channel
+for a replacement.
+
+:class:`LinkTable` is the half of :class:`~._sender.Sender` that does this; the sender
+holds the state it reads (declared below).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import multiprocessing as mp
+import os
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import anyio
+
+from .._core._acks import AckTracker, WorkerRecord
+from .._core._ownership import Ref, SlotLedger
+from .._core._signal import Signal
+from .._errors import BrokenChannelError, ClosedError, ProtocolError, WorkerDiedError, WorkerLeftError, WouldBlock
+from .._io._queues import AsyncQueue
+from .._io._slots import Slot, SlotPool
+from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Staged, decode, encode
+from ._poll import MAILBOX_BYTES
+from ._poll import Mailbox as _Mailbox
+
+__all__ = ["LinkTable", "SenderObserver"]
+
+logger = logging.getLogger("asyncsync")
+
+
+class _Link:
+    """One connection (generation) to one worker: its channel, mapped slots and tasks (its
+    answers are kept by the :class:`AckTracker`)."""
+
+    def __init__(self, generation: int, conn: Connection, child_conn: Connection | None) -> None:
+        self.generation = generation
+        self.child_conn: Connection | None = child_conn
+        self.queue: AsyncQueue[Any] = AsyncQueue(conn)
+        self.pid: int | None = None
+        self.mapped: set[int] = set()
+        self.delivered_sends = 0  # w.sends at the last delivery on this connection
+        self.bye: Bye | None = None
+        self.lost = False
+        self.tasks: list[asyncio.Task[None]] = []
+        self.mailbox: _Mailbox | None = None  # a polled worker's: versions go there, not as Receive
+
+    def close_mailbox(self) -> None:
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
+
+
+class _Worker(WorkerRecord):
+    """One worker id across its connections: its delivery state (kept by the
+    :class:`AckTracker`) and its link, process and sentinel."""
+
+    def __init__(self, idx: int, device: str | None) -> None:
+        super().__init__(idx)
+        self.idx = idx
+        self.device = device
+        self.link: _Link | None = None
+        self.links = 0  # channels made for this worker id (the next one's generation)
+        self.sends = 0  # versions published to this worker id
+        self.process: Any = None
+        self.sentinel: int | None = None
+
+
+class SenderObserver(Protocol):
+    """What a sender tells the one observer registered with :meth:`Sender.observe` (a relay,
+    which forwards it to its trainer).
+
+    An explicit, typed observer rather than callbacks assigned as attributes (two of them
+    to keep in step, silently overwritten) or an event stream (a consumer task, a buffer
+    that grows while it lags, one wake-up per ack on the ack path): each method is called
+    synchronously where the sender learns the event (the reader callback that decoded an
+    ack, the task that noticed a loss), before any waiter sees it, in the order the
+    workers said it. It must not block; an exception is logged and changes nothing else.
+    """
+
+    def worker_answered(self, worker_idx: int, ack: Ack) -> None:
+        """Worker *worker_idx* applied (``ack.ok``) or rejected ``ack.version``."""
+
+    def worker_lost(self, worker_idx: int, death: WorkerDiedError) -> None:
+        """Worker *worker_idx* died or left (a :class:`WorkerLeftError`)."""
+
+class LinkTable:
+    """Each worker's current channel and what it says on it (see the module docstring)."""
+
+    _workers: dict[int, _Worker]
+    _ledger: SlotLedger
+    _pool: SlotPool
+    _acks: AckTracker[int, _Worker]
+    _changed: Signal
+    _state: str
+    _ctx: mp.context.BaseContext
+    _setup_frames: dict[int, bytes]
+    _observer: SenderObserver | None
+
+    def _new_link(self, w: _Worker) -> _Link:
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        w.links += 1
+        w.link = _Link(w.links, ours, theirs)
+        return w.link
+
+    def attach_refusal(self, idx: int) -> str | None:
+        """Why a process attaching by address cannot be worker *idx* now (None: it can)."""
+        if idx not in self._workers:
+            return f"worker {idx} is not one of the trainer's workers {sorted(self._workers)}"
+        if self._state in ("closing", "closed"):
+            return "the trainer is closing"
+        w = self._workers[idx]
+        link = w.link
+        if link is not None and not link.lost and (link.pid is not None or link.child_conn is None):
+            pid = f" (pid {link.pid})" if link.pid is not None else ""
+            return f"worker {idx} is already connected{pid}; only one process can be worker {idx} at a time"
+        process = w.process
+        if link is not None and not link.lost and process is not None and getattr(process, "exitcode", None) is None:
+            # a child started with this worker's channel end that has not said hello yet
+            return f"worker {idx} is a process the trainer started (pid {process.pid}) and that is still starting"
+        return None
+
+    def adopt_link(self, idx: int, conn: Connection) -> None:
+        """Make *conn* (an authenticated socket) worker *idx*'s next link, replacing the unused one."""
+        w = self._workers[idx]
+        old = w.link
+        if old is not None:
+            old.queue._unlisten()
+            for t in old.tasks:
+                t.cancel()
+            old.queue.close()
+            if old.child_conn is not None:
+                old.child_conn.close()
+        w.links += 1
+        w.link = _Link(w.links, conn, None)
+        if self._state == "running":
+            self._start_tasks(w, w.link, asyncio.get_running_loop())
+
+    @staticmethod
+    def _drop_sentinel(w: _Worker) -> None:
+        if w.sentinel is not None:
+            os.close(w.sentinel)
+            w.sentinel = None
+
+    def _release_unused(self) -> None:
+        self._pool.release_unused()
+
+    def _pump(self, w: _Worker) -> None:
+        """Send the worker its newest version if nothing is in flight (latest wins)."""
+        link = w.link
+        if w.state != "connected" or link is None or link.delivered_sends == w.sends:
+            return  # (the last: nothing was published to it since its last delivery)
+        ref = self._ledger.next_delivery(w.idx)
+        if ref is not None:
+            skipped = max(w.sends - link.delivered_sends - 1, 0)
+            link.delivered_sends = w.sends
+            self._deliver(link, ref, skipped)
+
+    def _deliver(self, link: _Link, ref: Ref, skipped: int) -> None:
+        assert ref.slot is not None
+        slot = self._pool.slots[ref.slot]
+        try:
+            if slot.transient or slot.id not in link.mapped:
+                self._map_slots(link, [slot])
+            if link.mailbox is not None:
+                # A polled worker reads it between its steps: no message, no wake-up there.
+                # (The slot's bytes are complete: the send's copy finished before publishing.)
+                link.mailbox.publish(ref.version, slot.id, skipped)
+            else:
+                link.queue.put_bytes_nowait(_receive_frame(ref.version, slot.id, skipped))
+        except (BrokenChannelError, ClosedError, WouldBlock):
+            pass  # the channel's end is noticed by its reader callback, which reports it
+
+    def _map_slots(self, link: _Link, slots: list[Slot]) -> None:
+        """Have the worker map *slots* (their descriptors follow the message)."""
+        for slot in slots:
+            link.queue.put_bytes_nowait(encode(MapSlots((slot.id,), (slot.nbytes,), slot.transient)))
+            link.queue.send_fds([slot.fd])
+            if not slot.transient:
+                link.mapped.add(slot.id)
+
+    def _on_poll(self, link: _Link) -> None:
+        """The worker polls: give it a mailbox, and the reusable slots mapped up front (so
+        its polls rarely wait for its loop to map one)."""
+        if link.mailbox is not None:
+            raise ProtocolError("Poll: sent twice on one connection")
+        try:
+            self._map_slots(link, [s for s in self._pool.slots.values() if not s.transient and s.id not in link.mapped])
+            mailbox = _Mailbox.create()
+            try:
+                link.queue.put_bytes_nowait(encode(Mailbox(MAILBOX_BYTES)))
+                link.queue.send_fds([mailbox.fd])
+            except BaseException:
+                mailbox.close()
+                raise
+            mailbox.segment.close_fd()  # the worker holds its own copy now
+            link.mailbox = mailbox
+        except (BrokenChannelError, ClosedError, WouldBlock):
+            pass  # the channel's end is noticed by its reader callback, which reports it
+
+    def _start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
+        # Answers are handled in the loop's reader callback: no task wakes up per message.
+        link.queue._listen(functools.partial(self._on_frame, w, link), functools.partial(self._on_channel_end, w, link))
+        if w.sentinel is not None:
+            link.tasks.append(loop.create_task(self._watch_sentinel(w, link)))
+
+    def _on_frame(self, w: _Worker, link: _Link, data: bytes) -> bool:
+        if link is not w.link:
+            return False
+        self._dispatch(w, link, decode(data))
+        return True
+
+    def _on_channel_end(self, w: _Worker, link: _Link, exc: Exception) -> None:
+        if isinstance(exc, ClosedError):
+            return  # closed here (aclose, or the loss is being handled already)
+        if not isinstance(exc, (ProtocolError, BrokenChannelError)):
+            logger.error("worker %d: handling its message failed; its channel is cut", w.idx, exc_info=exc)
+            failed = ProtocolError(f"handling its message failed: {exc!r}")
+            failed.__cause__ = exc
+            broken: ProtocolError | None = failed
+        else:
+            broken = exc if isinstance(exc, ProtocolError) else None
+        link.tasks.append(asyncio.get_running_loop().create_task(self._on_lost(w, link, broken=broken)))
+
+    def _dispatch(self, w: _Worker, link: _Link, msg: Message) -> None:
+        if isinstance(msg, Ack):
+            self._on_ack(w, link, msg)
+        elif isinstance(msg, Staged):
+            self._ledger.on_staged(w.idx, msg.version, msg.holds)
+            self._after_answer(w)
+        elif isinstance(msg, Hello):
+            self._on_hello(w, link, msg)
+        elif isinstance(msg, Bye):
+            link.bye = msg
+        elif isinstance(msg, Poll):
+            self._on_poll(link)
+        else:
+            raise ProtocolError(f"{type(msg).__name__}: a worker never sends this message")
+
+    def _drain(self, w: _Worker, link: _Link) -> None:
+        """Read what the worker said before it went (its last acks, its ``Bye``)."""
+        try:
+            while True:
+                self._dispatch(w, link, decode(link.queue.get_bytes_nowait()))
+        except (WouldBlock, BrokenChannelError, ClosedError):
+            pass  # a malformed last word (ProtocolError) is ignored: the worker is gone anyway
+
+    async def _watch_sentinel(self, w: _Worker, link: _Link) -> None:
+        sentinel = w.sentinel
+        if sentinel is None:
+            return
+        try:
+            await anyio.wait_readable(sentinel)
+        except (OSError, anyio.ClosedResourceError):
+            return
+        await self._on_lost(w, link)
+
+    def _on_hello(self, w: _Worker, link: _Link, msg: Hello) -> None:
+        link.pid = msg.pid
+        self._acks.connected(w.idx, msg.pid, link.generation)
+        if link.child_conn is not None:
+            link.child_conn.close()  # the worker holds its own copy now: EOF will mean it is gone
+            link.child_conn = None
+        try:
+            link.queue.put_bytes_nowait(self._setup_frames[w.idx])
+        except (BrokenChannelError, ClosedError):
+            return
+        self._pump(w)
+        self._changed.notify()
+
+    def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
+        self._ledger.on_ack(w.idx, ack.version, ack.ok, ack.holds)
+        if self._observer is not None:
+            try:
+                self._observer.worker_answered(w.idx, ack)
+            except Exception:  # the observer's failure is not the worker's: it stays connected
+                logger.exception("worker %d: the sender's observer failed on its answer", w.idx)
+        self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)  # (it notifies)
+        self._pump(w)
+        if not self._pool.reuse:
+            self._release_unused()
+
+    def _after_answer(self, w: _Worker) -> None:
+        self._pump(w)
+        self._release_unused()
+        self._changed.notify()
+
+    async def _on_lost(self, w: _Worker, link: _Link, broken: ProtocolError | None = None) -> None:
+        """The channel ended: the worker died or left, or (*broken*) sent a malformed message."""
+        if link is not w.link or link.lost:
+            return  # an older channel, or already handled
+        link.lost = True
+        link.queue._unlisten()
+        if broken is None:
+            self._drain(w, link)
+        if self._state in ("closing", "closed") and w.state == "connected":
+            self._acks.stopped(w.idx)
+        elif broken is not None:
+            death = WorkerDiedError(
+                w.idx, None, link.pid, reason=f"it sent a malformed message ({type(broken).__name__}: {broken}); its channel was closed"
+            )
+            death.__cause__ = broken
+            self._acks.lost(w.idx, "dead", death)
+            w.process = None  # its process may run on: it is no longer this worker
+            self._drop_sentinel(w)
+        elif link.bye is not None:
+            self._acks.lost(w.idx, "left", WorkerLeftError(w.idx, link.bye.reason, link.bye.version, link.pid))
+            w.process = None  # its process may run on: it is no longer this worker
+            self._drop_sentinel(w)
+        else:
+            process = w.process
+            exitcode = None
+            if process is not None:
+                # The pipe may close a moment before the process is reaped: wait for the exit code.
+                with anyio.move_on_after(1.0):
+                    while getattr(process, "exitcode", None) is None:
+                        await anyio.sleep(0.005)
+                exitcode = getattr(process, "exitcode", None)
+            if link is not w.link:
+                return
+            self._acks.lost(w.idx, "dead", WorkerDiedError(w.idx, exitcode, link.pid), exitcode)
+            w.process = None
+            self._drop_sentinel(w)
+        if self._observer is not None and w.death is not None and w.state in ("dead", "left"):
+            try:
+                self._observer.worker_lost(w.idx, w.death)
+            except Exception:
+                logger.exception("worker %d: the sender's observer failed on its loss", w.idx)
+        if broken is not None:
+            # Its process may still view the slots it held: they are never written again.
+            self._ledger.retire(w.idx)
+        else:
+            # The worker holds no slot any more: it died, or detached its weights before leaving.
+            self._ledger.disconnect(w.idx)
+        current = asyncio.current_task()
+        for t in link.tasks:
+            if t is not current:
+                t.cancel()
+        link.queue.close()
+        link.close_mailbox()
+        if self._state == "running":
+            # A replacement for this index can attach through a new channel.
+            new = self._new_link(w)
+            self._ledger.connect(w.idx)
+            self._start_tasks(w, new, asyncio.get_running_loop())
+        self._release_unused()
+        self._changed.notify()
+
+
+@functools.lru_cache(maxsize=16)
+def _receive_frame(version: int, slot: int, skipped: int) -> bytes:
+    """The ``Receive`` frame: encoded once per send, for every worker it goes to."""
+    return encode(Receive(version, slot, skipped))
