@@ -32,10 +32,12 @@ __all__ = ["profile_sends"]
 
 _OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # _core/ minus _layout.py, which counts as "other"
-    ("sender", ("asyncsync/_local/_sender.py", "asyncsync/_core/_acks.py", "asyncsync/_core/_deadline.py", "asyncsync/_core/_front.py",
+    ("sender", ("asyncsync/_local/_sender.py", "asyncsync/_local/_links.py", "asyncsync/_local/_publisher.py",
+                "asyncsync/_core/_acks.py", "asyncsync/_core/_deadline.py", "asyncsync/_core/_front.py",
                 "asyncsync/_core/_offload.py", "asyncsync/_core/_source.py", "asyncsync/_core/_ownership.py", "asyncsync/_io/_slots.py",
                 "asyncsync/_core/_strategy.py", "asyncsync/_core/_signal.py", "asyncsync/_core/_flat.py")),
-    ("receiver", ("asyncsync/_local/_receiver.py",)),
+    ("receiver", ("asyncsync/_local/_receiver.py", "asyncsync/_local/_commit.py", "asyncsync/_local/_slotmap.py",
+                  "asyncsync/_local/_bucket.py", "asyncsync/_local/_poll.py")),
     ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_io/_pipe.py", "asyncsync/_io/_framing.py", "asyncsync/_wire/_protocol.py", "sendmsg", "recvmsg_into")),
     ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),
     ("torch copy", ("_foreach_copy_", "asyncsync/_io/_staging.py")),
