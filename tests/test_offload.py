@@ -240,3 +240,26 @@ async def test_aclose_waits_for_a_job_whose_caller_left_without_blocking_the_loo
     assert gate.finished.is_set() and gate.thread is not None
     gate.thread.join(WAIT_S)
     assert not gate.thread.is_alive()  # the thread ended with the job
+
+
+def test_a_result_whose_loop_ended_is_still_discarded() -> None:
+    """A process group built after its loop ended is dropped, not left to the collector."""
+    offload = Offload("asyncsync-test", daemon=True)
+    discarded: list[Any] = []
+    done = threading.Event()
+    gates: list[Gate] = []
+
+    def discard(result: Any) -> None:
+        discarded.append(result)
+        done.set()
+
+    async def leave() -> None:
+        gates.append(Gate())
+        with pytest.raises(SyncTimeoutError):
+            await offload.run(gates[0].job(result="built too late"), timeout=0.01, discard=discard)
+        await asyncio.wait_for(gates[0].started.wait(), WAIT_S)
+
+    asyncio.run(leave())  # the loop ends while the work still runs
+    gates[0].go.set()
+    assert done.wait(WAIT_S) and discarded == ["built too late"]
+    offload.close()

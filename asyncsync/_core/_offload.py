@@ -17,7 +17,9 @@ a store client connecting or waiting, a process group's rendezvous) runs through
 - **The loop never waits for the thread:** not for a result, not to queue a job behind
   one whose caller left, not to end it (:meth:`Offload.aclose`). The synchronous
   :meth:`Offload.close`, for teardown outside a coroutine, joins the thread. If the loop
-  is closed by the time the work ends, nobody is left to release for and nothing is called.
+  is closed by the time the work ends, nobody is left to release for: only ``discard``
+  is called, on the work's thread (a process group built after its loop ended is still
+  dropped, not left to the garbage collector with its sockets open).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class Offload:
         discard: Callable[[T], None] | None = None,
     ) -> T:
         """*job*'s result, waited for at most *timeout* seconds; see the module's rule."""
-        outcome = _on_loop(job)
+        outcome = _on_loop(job, discard)
         outcome.add_done_callback(lambda _: self._forget(job))
         try:
             await asyncio.wait((outcome,), timeout=timeout)
@@ -172,8 +174,9 @@ class Offload:
             executor.shutdown(wait=True)
 
 
-def _on_loop(job: Future[T]) -> asyncio.Future[T]:
-    """A future of the running loop that gets *job*'s outcome when it ends."""
+def _on_loop(job: Future[T], orphan: Callable[[T], None] | None = None) -> asyncio.Future[T]:
+    """A future of the running loop that gets *job*'s outcome when it ends (if the loop
+    is closed by then, *orphan* gets the result, on the work's thread)."""
     loop = asyncio.get_running_loop()
     outcome: asyncio.Future[T] = loop.create_future()
 
@@ -181,7 +184,11 @@ def _on_loop(job: Future[T]) -> asyncio.Future[T]:
         try:
             loop.call_soon_threadsafe(_copy_outcome, f, outcome)
         except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+            if orphan is not None and not f.cancelled() and f.exception() is None:
+                try:
+                    orphan(f.result())
+                except Exception:
+                    logger.debug("asyncsync: dropping the result of work whose loop ended", exc_info=True)
 
     job.add_done_callback(ended)
     return outcome
