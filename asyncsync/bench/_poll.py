@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import signal
 import statistics
 import time
@@ -35,7 +34,7 @@ async def poll_worker(worker_idx: int, scheme: Any, n_params: int, n_tensors: in
     """Poll until stopped; report what :func:`asyncsync.bench._run.bench_worker` reports,
     plus ``polled``: ``(version, perf_counter before the poll that committed it, when the
     commit was complete (its ack about to be sent), after that poll)``."""
-    from asyncsync.bench._run import _param_sums, _peak_rss_mb, _rss_mb
+    from asyncsync.bench._run import worker_report
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
     torch.set_num_threads(1)
@@ -62,20 +61,7 @@ async def poll_worker(worker_idx: int, scheme: Any, n_params: int, n_tensors: in
                     polled.append((version, t0, committed_at.get(version, math.nan), clock()))
             await asyncio.sleep(0)
         await scheme.wait_stopped()
-    stats = scheme.statistics()
-    return {
-        "pid": os.getpid(),
-        "version": scheme.version,
-        "sums": _param_sums(model),
-        "peak_rss_mb": _peak_rss_mb(),
-        "rss_mb": _rss_mb(),
-        "memfd_mb": None,
-        "commits": [],
-        "ticks": [],
-        "last_commit_ms": stats.last_commit_ms,
-        "last_stage_ms": stats.last_stage_ms,
-        "polled": polled,
-    }
+    return {**worker_report(scheme, model, memfd_mb=None, commits=[], ticks=[]), "polled": polled}
 
 
 @contextlib.contextmanager

@@ -244,6 +244,11 @@ async def bench_worker(
         stop_tick.set()
         if ticker is not None:
             await ticker
+    return worker_report(scheme, model, memfd_mb=_memfd_mb(), commits=commits, ticks=ticks.tolist())
+
+
+def worker_report(scheme: Any, model: Any, *, memfd_mb: float | None, commits: list[Any], ticks: list[Any]) -> dict[str, Any]:
+    """What a bench worker sends back once its receiver stopped."""
     stats = scheme.statistics()
     return {
         "pid": os.getpid(),
@@ -251,9 +256,9 @@ async def bench_worker(
         "sums": _param_sums(model),
         "peak_rss_mb": _peak_rss_mb(),
         "rss_mb": _rss_mb(),
-        "memfd_mb": _memfd_mb(),
+        "memfd_mb": memfd_mb,
         "commits": commits,
-        "ticks": ticks.tolist(),
+        "ticks": ticks,
         "last_commit_ms": stats.last_commit_ms,
         "last_stage_ms": stats.last_stage_ms,
     }
