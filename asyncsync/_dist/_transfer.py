@@ -310,6 +310,11 @@ class Transfers:
         point-to-point (one host, its own tags)."""
         group = self.group
         assert group is not None
+        # A newer version for the same workers may have replaced this one (latest wins)
+        # between the pump starting this task and the task's first step.
+        hosts = [h for h in hosts if key in self._hosts[h].pending]
+        if not hosts:
+            return
         buf = self._hosts[hosts[0]].pending[key][0]
         version = key[0]
         p2p = set(hosts) != set(self.members)
