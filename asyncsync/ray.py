@@ -46,6 +46,7 @@ import anyio
 
 from ._errors import AsyncSyncError, SyncTimeoutError, WorkerProcessError
 from ._local._scheme import MultiProcessWeightSyncScheme
+from ._local._workers import exit_group
 
 __all__ = ["RayWorkerGroup", "start_workers"]
 
@@ -176,14 +177,7 @@ class RayWorkerGroup:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc_type is None and not self._closed:
-            try:
-                await self.join(timeout=self.join_timeout)
-            finally:
-                await self.aclose()
-            return
-        await self.aclose(grace=0.0 if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, asyncio.CancelledError)) else 2.0)
-        if isinstance(exc, AsyncSyncError) and not isinstance(exc, WorkerProcessError):
+        if await exit_group(self, exc_type) and isinstance(exc, AsyncSyncError) and not isinstance(exc, WorkerProcessError):
             failures = self._failures()
             if failures and hasattr(exc, "add_note"):
                 for err in failures:

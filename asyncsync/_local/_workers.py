@@ -403,15 +403,7 @@ class WorkerGroup:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc_type is None and not self._closed:
-            try:
-                await self.join(timeout=self.join_timeout)
-            finally:
-                await self.aclose()
-            return
-        interrupted = exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, asyncio.CancelledError))
-        await self.aclose(grace=0.0 if interrupted else 2.0)
-        if exc is None or interrupted:
+        if not await exit_group(self, exc_type) or exc is None:
             return
         failures = self._failures()
         if not failures:
@@ -551,6 +543,21 @@ class _Outcome:
         self.label = label or ""
         self.tb = tb
         self.exc = exc
+
+
+async def exit_group(group: Any, exc_type: type[BaseException] | None) -> bool:
+    """The common start of a worker group's ``__aexit__``: after a clean block, join the
+    workers, then close; otherwise close (at once if interrupted). True if the block raised
+    an error the group may add its workers' failures to (not an interruption)."""
+    if exc_type is None and not group._closed:
+        try:
+            await group.join(timeout=group.join_timeout)
+        finally:
+            await group.aclose()
+        return False
+    interrupted = exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, asyncio.CancelledError))
+    await group.aclose(grace=0.0 if interrupted else 2.0)
+    return exc_type is not None and not interrupted
 
 
 def _caller_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
