@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +20,25 @@ from torch import nn
 from asyncsync import AsyncSyncError, MultiProcessWeightSyncScheme
 
 
+_sink: Any = None  # a multiprocessing Connection when started by run_forked, else stdout
+
+
 def say(**event: object) -> None:
-    print(json.dumps(event), flush=True)
+    line = json.dumps(event)
+    if _sink is not None:
+        _sink.send_bytes(line.encode() + b"\n")
+    else:
+        print(line, flush=True)
+
+
+def run_forked(idx: int, address: str | None, env: dict[str, str], sink: Any) -> None:
+    """The same program in a process a test forked from its forkserver (not given the
+    scheme, only the address): events go to *sink*, the exit status is the program's."""
+    global _sink
+    _sink = sink
+    os.environ.clear()
+    os.environ.update(env)
+    sys.exit(asyncio.run(main(idx, address)))
 
 
 async def main(idx: int, address: str | None) -> int:

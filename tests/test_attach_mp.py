@@ -1,8 +1,9 @@
 """Workers that attach by address: processes asyncsync did not start join as worker k.
 
-The workers here are plain programs (``python -m tests._attach_worker``) started with
-``asyncio.create_subprocess_exec``: they are never given the scheme object, only its
-address (on the command line or in ``ASYNCSYNC_ADDRESS``).
+The workers here are never given the scheme object, only its address (on the command line
+or in ``ASYNCSYNC_ADDRESS``): plain programs (``python -m tests._attach_worker``) started
+with ``asyncio.create_subprocess_exec`` in the first test, the same program's ``main`` in
+processes forked from the suite's forkserver elsewhere (no torch import to wait for).
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from torch import nn
@@ -28,6 +31,7 @@ from asyncsync import (
     WorkerAddress,
     WorkerDiedError,
 )
+from tests import _attach_worker
 from tests.test_hygiene_mp import snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,21 +64,71 @@ class Program:
                 return out
 
 
+class _ForkedOutput:
+    """``readline()`` over the forked program's event pipe (``b""`` at its end)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    async def readline(self) -> bytes:
+        await anyio.wait_readable(self._conn.fileno())  # (a whole event per message)
+        try:
+            return bytes(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            return b""
+
+
+class _ForkedProcess:
+    """The part of ``asyncio.subprocess.Process`` the tests use, for a forked program."""
+
+    def __init__(self, process: Any, events: Any) -> None:
+        self._process = process
+        self.stdout = _ForkedOutput(events)
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    async def wait(self) -> int:
+        await anyio.wait_readable(self._process.sentinel)  # readable once it has ended
+        self._process.join()
+        return self._process.exitcode
+
+    def close(self) -> None:
+        """Its descriptors (the event pipe, the process sentinel), once it has ended."""
+        self.stdout._conn.close()
+        self._process.close()
+
+
 @contextlib.asynccontextmanager
-async def programs() -> AsyncIterator[Any]:
-    """``start(idx, address, via_env=False)``; every program is waited for (killed if still running) on exit."""
+async def programs(fresh_interpreter: bool = False) -> AsyncIterator[Any]:
+    """``start(idx, address, via_env=False)``; every program is waited for (killed if still
+    running) on exit. A program is ``python -m tests._attach_worker`` with
+    *fresh_interpreter*, else the same ``main`` in a process forked from the suite's
+    forkserver (no torch import to wait for); either way it gets only the address."""
     started: list[Program] = []
+    ctx = multiprocessing.get_context(os.environ.get("ASYNCSYNC_START_METHOD", "forkserver"))
 
     async def start(idx: int, address: WorkerAddress | str, via_env: bool = False) -> Program:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         env.pop("ASYNCSYNC_ADDRESS", None)
-        args = [sys.executable, "-m", "tests._attach_worker", str(idx)]
+        target = None if via_env else str(address)
         if via_env:
             assert isinstance(address, WorkerAddress)
             env.update(address.env())
+        if fresh_interpreter:
+            args = [sys.executable, "-m", "tests._attach_worker", str(idx)] + ([] if target is None else [target])
+            proc: Any = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, env=env, cwd=str(ROOT))
         else:
-            args.append(str(address))
-        proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, env=env, cwd=str(ROOT))
+            events, sink = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_attach_worker.run_forked, args=(idx, target, env, sink), name=f"attached-{idx}")
+            process.start()
+            sink.close()
+            proc = _ForkedProcess(process, events)
         started.append(Program(proc))
         return started[-1]
 
@@ -86,6 +140,8 @@ async def programs() -> AsyncIterator[Any]:
                 with contextlib.suppress(ProcessLookupError):
                     p.proc.kill()
             await p.proc.wait()
+            if isinstance(p.proc, _ForkedProcess):
+                p.proc.close()
 
 
 async def test_programs_attach_by_address_and_receive_every_version() -> None:
@@ -94,7 +150,7 @@ async def test_programs_attach_by_address_and_receive_every_version() -> None:
     scheme.init_on_sender(model=model, num_workers=2)
     fill_(model, 0.0)
     address = await scheme.listen()
-    async with programs() as start:
+    async with programs(fresh_interpreter=True) as start:  # plain programs, as a launcher starts them
         workers = [await start(0, address), await start(1, address, via_env=True)]
         async with scheme:  # waits for both programs to attach and apply version 0
             for v in (1, 2, 3):
