@@ -84,7 +84,6 @@ class SenderCore(Generic[W, R]):
         self._state = "new"  # new | running | closing | closed
         self._version = -1
         self._sends = 0
-        self._last_copy_s = 0.0
         self._changed = Signal()
         self._acks: AckTracker[W, R] = AckTracker(
             records, changed=self._changed, phase=lambda: self._state, never_connected=self._never_connected

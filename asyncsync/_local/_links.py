@@ -288,8 +288,7 @@ class LinkTable:
                 logger.exception("worker %d: the sender's observer failed on its answer", w.idx)
         self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)  # (it notifies)
         self._pump(w)
-        if not self._pool.reuse:
-            self._release_unused()
+        self._release_unused()  # (no notify: the ack above woke the waiters)
 
     def _after_answer(self, w: _Worker) -> None:
         self._pump(w)

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._core._front import SenderCore, Targets
+from .._core._front import SenderCore
 from .._core._layout import Layout
 from .._core._ownership import SlotLedger
 from .._errors import ClosedError, WeightsError
@@ -292,9 +292,7 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
         targets = self._targets(worker_ids)
         self._before_send(targets)
         groups = self._group(weights, targets, partial)
-        deadline = self._deadline(timeout)
-        await self._send_turn(deadline)
-        try:
+        async with self._sending(timeout) as deadline:
             self._check_running()
             plan = self._split_partial(groups)
             written: list[tuple[Slot, list[int]]] = []
@@ -310,8 +308,6 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
             version = self._version
             self._sends += 1
             self._publish(written, version)
-        finally:
-            self._send_lock.release()  # type: ignore[union-attr]
         return version
 
     async def wait_async(
@@ -401,8 +397,6 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
         return self._record(idx)
 
     def _targets(self, worker_ids: int | Iterable[int] | None) -> list[int]:
-        if worker_ids.__class__ is Targets:
-            return worker_ids  # type: ignore[return-value]
         if isinstance(worker_ids, bool):
             raise TypeError("worker_ids must be an int, a list of ints or None")
         return self._parse_targets(worker_ids, _is_index, "an int")
