@@ -2,12 +2,16 @@
 
 ``python -m asyncsync.bench.profile --params 10k --workers 2 --sends 2000``
 
-The receivers are :func:`asyncsync.loopback_worker` ends in the trainer's own event loop,
+By default the receivers are :func:`asyncsync.loopback_worker` ends in the trainer's own event loop,
 over the same sockets and shared memory as spawned workers: this measures the Python and
 system-call work of both sides per send (what the 2-core machine has to share), without
 the cost of waking another process. It prints CPU per send without and with the
 profiler, then that CPU split by owner (sender, receiver, channel, event loop, the copy
 in torch, other) from the profile's own time per function, and the top functions.
+
+With ``--spawned`` the receivers are the bench's worker processes instead, and only the
+trainer is profiled: its own CPU per send, as the bench's ``trainer_cpu_ms_per_send``
+measures it (compare ``--workers 1`` with ``--workers 8`` for the cost of each worker).
 
 Example::
 
@@ -87,10 +91,49 @@ async def _run(params: str, workers: int, sends: int, profile: bool, flat: bool 
     return cpu, (pstats.Stats(prof) if prof is not None else None)
 
 
-def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top: int = 15, flat: bool = False) -> dict[str, Any]:
+async def _run_spawned(params: str, workers: int, sends: int, profile: bool, flat: bool = False) -> tuple[float, pstats.Stats | None]:
+    """:func:`_run` with the bench's worker processes as receivers: the trainer alone is measured."""
+    from asyncsync import MultiProcessWeightSyncScheme, flatten_parameters, spawn_workers
+    from asyncsync.bench._run import bench_worker
+    from asyncsync.bench._workload import make_model, parse_params, perturb_
+
+    n_params, n_tensors = parse_params(params)
+    model = make_model(n_params, n_tensors)
+    if flat:
+        flatten_parameters(model)
+    scheme = MultiProcessWeightSyncScheme(strategy="tensordict", sync=True, timeout=300.0)
+    scheme.init_on_sender(model=model, num_workers=workers)
+    async with spawn_workers(bench_worker, workers, args=(scheme, n_params, n_tensors), scheme=scheme, join_timeout=60.0) as group:
+        try:
+            await scheme.connect()
+            for step in range(min(200, sends)):
+                perturb_(model, step)
+                await scheme.send()
+            # CPU time, not wall time: the trainer's waits for acks are idle time, not cost.
+            prof = cProfile.Profile(time.process_time) if profile else None
+            cpu = 0.0
+            for step in range(sends):
+                perturb_(model, step)  # fresh values, outside the measured part, as in the bench
+                t0 = time.process_time()
+                if prof is not None:
+                    prof.enable()
+                await scheme.send()
+                if prof is not None:
+                    prof.disable()
+                cpu += time.process_time() - t0
+        finally:
+            await scheme.aclose()
+        await group.join(timeout=60.0)
+    return cpu / sends, (pstats.Stats(prof) if prof is not None else None)
+
+
+def profile_sends(
+    params: str = "10k", workers: int = 2, sends: int = 2000, top: int = 15, flat: bool = False, spawned: bool = False
+) -> dict[str, Any]:
     """Profile *sends* sends of a *params* model to *workers* in-process receivers.
 
     *flat*: the trainer's model goes through :func:`asyncsync.flatten_parameters` first.
+    *spawned*: the receivers are worker processes, and only the trainer is measured.
 
     Returns ``cpu_us_per_send`` (no profiler), ``profiled_cpu_us_per_send``,
     ``shares`` (owner -> fraction of the profiled time) and ``top`` (printable lines).
@@ -104,8 +147,9 @@ def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plain, _ = asyncio.run(_run(params, workers, sends, profile=False, flat=flat))
-        profiled, stats = asyncio.run(_run(params, workers, sends, profile=True, flat=flat))
+        run = _run_spawned if spawned else _run
+        plain, _ = asyncio.run(run(params, workers, sends, profile=False, flat=flat))
+        profiled, stats = asyncio.run(run(params, workers, sends, profile=True, flat=flat))
     finally:
         set_debug(debug)
         torch.set_num_threads(threads)
@@ -122,6 +166,7 @@ def profile_sends(params: str = "10k", workers: int = 2, sends: int = 2000, top:
         "params": params,
         "workers": workers,
         "sends": sends,
+        "spawned": spawned,
         "cpu_us_per_send": plain * 1e6,
         "profiled_cpu_us_per_send": profiled * 1e6,
         "shares": {k: v / total for k, v in sorted(by_owner.items(), key=lambda kv: -kv[1])},
@@ -136,10 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sends", type=int, default=2000, help="profiled sends (default 2000)")
     parser.add_argument("--top", type=int, default=15, help="functions listed (default 15)")
     parser.add_argument("--flat", action="store_true", help="flatten the trainer's model first (asyncsync.flatten_parameters)")
+    parser.add_argument("--spawned", action="store_true", help="receivers in worker processes; profile the trainer alone")
     args = parser.parse_args(argv)
-    r = profile_sends(args.params, args.workers, args.sends, args.top, flat=args.flat)
-    print(f"{r['params']} to {r['workers']} in-process receivers, {r['sends']} sends")
-    print(f"CPU per send (sender + receivers): {r['cpu_us_per_send']:.0f} us; under the profiler {r['profiled_cpu_us_per_send']:.0f} us")
+    r = profile_sends(args.params, args.workers, args.sends, args.top, flat=args.flat, spawned=args.spawned)
+    where, who = ("worker processes", "trainer") if args.spawned else ("in-process receivers", "sender + receivers")
+    print(f"{r['params']} to {r['workers']} {where}, {r['sends']} sends")
+    print(f"CPU per send ({who}): {r['cpu_us_per_send']:.0f} us; under the profiler {r['profiled_cpu_us_per_send']:.0f} us")
     print("profiled time by owner: " + ", ".join(f"{k} {v:.0%}" for k, v in r["shares"].items()))
     print(r["top"])
 
