@@ -136,6 +136,12 @@ class AckTracker(Generic[W, R]):
         """*version* is now *wid*'s newest (it goes out when nothing else is in flight)."""
         self.records[wid].sent = version
 
+    def sent_to(self, wids: Iterable[W], version: int) -> None:
+        """:meth:`sent` for each of *wids* (one call per send)."""
+        records = self.records
+        for wid in wids:
+            records[wid].sent = version
+
     def expect(self, wid: W, generation: int) -> None:
         """A new connection (*generation*) for *wid* is on its way: nothing answered before counts."""
         rec = self.records[wid]

@@ -136,9 +136,12 @@ class SlotLedger:
 
     def owned(self) -> set[int]:
         """Slots some worker holds in some role."""
-        out = {r.slot for r in self.latest.values() if r.slot is not None}
-        for link in (*self.links.values(), *self.retired):
-            out.update(r.slot for r in link.refs() if r.slot is not None)
+        out = {r.slot for r in self.latest.values()}
+        for link in (*self.links.values(), *self.retired):  # (every send's slot search: no generator per link)
+            for r in (link.in_flight, link.staged, link.live):
+                if r is not None:
+                    out.add(r.slot)
+        out.discard(None)
         return out
 
     def in_use(self) -> set[int]:
@@ -180,9 +183,12 @@ class SlotLedger:
         st = self.slots[slot_id]
         st.writing = False
         st.version = version
+        ref = Ref(version, slot_id)  # immutable: one for all of them
+        latest = self.latest
         for w in workers:
-            self.latest[w] = Ref(version, slot_id)
-        self.check()
+            latest[w] = ref
+        if _debug:
+            self.check()
 
     def connect(self, worker: int) -> Link:
         """A (new) connection for *worker*: it holds nothing yet."""
@@ -211,7 +217,8 @@ class SlotLedger:
             return None
         link.in_flight = latest
         link.delivered = latest.version
-        self.check()
+        if _debug:
+            self.check()
         return latest
 
     def on_staged(self, worker: int, version: int, holds: int | None) -> None:
@@ -226,15 +233,18 @@ class SlotLedger:
     def on_ack(self, worker: int, version: int, ok: bool, holds: int | None) -> None:
         """The worker answered *version*: applied (its weights now in *holds*) or rejected."""
         link = self.links[worker]
-        if link.in_flight is not None and link.in_flight.version <= version:
+        sent = link.in_flight
+        if sent is not None and sent.version <= version:
             link.in_flight = None
         if ok:
             if link.staged is not None and link.staged.version <= version:
                 link.staged = None
             if _debug and link.live is not None and version < link.live.version:
                 raise InvariantError(f"worker {worker} went back from version {link.live.version} to {version}")
-            link.live = Ref(version, holds)
-        self.check()
+            # The usual answer: the version sent, applied in its slot (Refs are immutable: reuse it).
+            link.live = sent if sent is not None and sent.version == version and sent.slot == holds else Ref(version, holds)
+        if _debug:  # (the hot transitions check here, not by a call that returns at once)
+            self.check()
 
     # -- invariants ---------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from .._core._acks import AckTracker, WorkerRecord
 from .._core._ownership import Ref, SlotLedger
 from .._core._signal import Signal
 from .._errors import BrokenChannelError, ClosedError, ProtocolError, WorkerDiedError, WorkerLeftError, WouldBlock
+from .._io._framing import HEADER
 from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
 from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Staged, decode, encode
@@ -163,7 +164,7 @@ class LinkTable:
             return  # (the last: nothing was published to it since its last delivery)
         ref = self._ledger.next_delivery(w.idx)
         if ref is not None:
-            skipped = max(w.sends - link.delivered_sends - 1, 0)
+            skipped = w.sends - link.delivered_sends - 1  # (>= 0: w.sends is ahead, checked above)
             link.delivered_sends = w.sends
             self._deliver(link, ref, skipped)
 
@@ -178,7 +179,7 @@ class LinkTable:
                 # (The slot's bytes are complete: the send's copy finished before publishing.)
                 link.mailbox.publish(ref.version, slot.id, skipped)
             else:
-                link.queue.put_bytes_nowait(_receive_frame(ref.version, slot.id, skipped))
+                link.queue.put_frame_nowait(_receive_frame(ref.version, slot.id, skipped))
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the channel's end is noticed by its reader callback, which reports it
 
@@ -218,7 +219,11 @@ class LinkTable:
     def _on_frame(self, w: _Worker, link: _Link, data: bytes) -> bool:
         if link is not w.link:
             return False
-        self._dispatch(w, link, decode(data))
+        msg = decode(data)
+        if msg.__class__ is Ack:  # the one answer of every send: straight to its handler
+            self._on_ack(w, link, msg)
+        else:
+            self._dispatch(w, link, msg)
         return True
 
     def _on_channel_end(self, w: _Worker, link: _Link, exc: Exception) -> None:
@@ -287,8 +292,10 @@ class LinkTable:
             except Exception:  # the observer's failure is not the worker's: it stays connected
                 logger.exception("worker %d: the sender's observer failed on its answer", w.idx)
         self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)  # (it notifies)
-        self._pump(w)
-        self._release_unused()  # (no notify: the ack above woke the waiters)
+        if link.delivered_sends != w.sends:  # a newer version waits for this answer (what _pump checks first)
+            self._pump(w)
+        if not self._pool.reuse:
+            self._release_unused()  # (no notify: the ack above woke the waiters)
 
     def _after_answer(self, w: _Worker) -> None:
         self._pump(w)
@@ -359,5 +366,7 @@ class LinkTable:
 
 @functools.lru_cache(maxsize=16)
 def _receive_frame(version: int, slot: int, skipped: int) -> bytes:
-    """The ``Receive`` frame: encoded once per send, for every worker it goes to."""
-    return encode(Receive(version, slot, skipped))
+    """The ``Receive`` frame with its length header: made once per send, written as it is
+    to every worker it goes to (``put_frame_nowait``)."""
+    payload = encode(Receive(version, slot, skipped))
+    return HEADER.pack(len(payload)) + payload

@@ -79,6 +79,9 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
         ctx: mp.context.BaseContext,
     ) -> None:
         self._sources = sources  # worker id -> what send(weights=None) reads for it
+        first = next(iter(sources.values()), None)
+        # The usual case, one source for every worker: a send resolves and checks it once.
+        self._one_source = first if all(s is first for s in sources.values()) else None
         self._pool = pool
         self._ledger = SlotLedger(manual=manual)
         self._ctx = ctx
@@ -241,15 +244,17 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
 
     def _publish(self, written: list[tuple[Slot, list[int]]], version: int) -> None:
         """Make each written slot its members' newest *version* and send it to those with nothing in flight."""
+        workers, pump = self._workers, self._pump
         for slot, members in written:
             self._ledger.publish(slot.id, version, members)
+            self._acks.sent_to(members, version)
             for i in members:
-                self._workers[i].sends += 1
-                self._acks.sent(i, version)
+                workers[i].sends += 1
         for _, members in written:
             for i in members:
-                self._pump(self._workers[i])
-        self._release_unused()
+                pump(workers[i])
+        if not self._pool.reuse:
+            self._release_unused()
         self._changed.notify()
 
     async def connect(self, timeout: float | None | UseDefault = DEFAULT, weights: Any = None) -> int:
@@ -405,6 +410,8 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
         """Which validated weights go to which targets: one group per distinct source."""
         if weights is not None:
             return [(self._reader.weights(weights, partial, self.check_finite), targets)]
+        if self._one_source is not None:
+            return [(self._reader.source(self._reader.resolve(self._one_source), self.check_finite), targets)]
         groups: dict[int, tuple[Mapping[str, torch.Tensor], list[int]]] = {}
         for i in targets:  # workers sharing one source share one slot
             source = self._reader.resolve(self._sources[i])
