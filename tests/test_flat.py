@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from asyncsync import Layout, MultiProcessWeightSyncScheme, flatten_parameters
+from asyncsync import Layout, MultiProcessWeightSyncScheme, WeightsError, flatten_parameters
 from asyncsync._core._flat import contiguous_runs
 from asyncsync.testing import open_loopback
 from tests._targets import fill_, make_model
@@ -129,3 +130,23 @@ async def test_a_fresh_state_dict_per_send_of_a_flattened_model() -> None:
         trainer[0].weight.data = torch.full_like(trainer[0].weight, 9.0)  # now other memory
         await scheme.send(trainer.state_dict())
         assert bool((lb.models[0][0].weight == 9.0).all()) and _equal(lb.models[0], trainer)
+
+
+async def test_same_memory_shape_and_strides_in_another_dtype_is_refused() -> None:
+    # After a few sends the flat model's check is its memory: pointer, contiguity, shape and dtype.
+    trainer = flatten_parameters(make_model("bn"))
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, lambda: make_model("bn")) as lb:
+        fill_(trainer, 1.0)
+        for _ in range(3):
+            await scheme.send()
+        mean = trainer[1].running_mean  # a buffer: its data may take any dtype
+        mean.data = mean.data.view(torch.int32)  # the same bytes, read as int32
+        with pytest.raises(WeightsError, match=r"'1.running_mean' has dtype torch.int32, expected torch.float32"):
+            await scheme.send()
+        assert bool((lb.models[0][1].running_mean == 1.0).all())
+        mean.data = mean.data.view(torch.float32)
+        fill_(trainer, 2.0)
+        await scheme.send()
+        assert _equal(lb.models[0], trainer)

@@ -10,12 +10,13 @@ run of the wire layout is one contiguous span of the source and copies it in one
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ._layout import Layout
+from ._strategy import KnownSource
 
 __all__ = ["SpanCopier", "contiguous_runs", "flatten_parameters"]
 
@@ -140,7 +141,45 @@ class SpanCopier:
         self._ptrs: list[int] = []
         self._strides: list[tuple[int, ...]] = []
         self._runs: list[tuple[int, int, torch.dtype, torch.Tensor]] | None = None
+        self._spans: list[torch.Tensor] = []
+        self._dst: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # id(buffer) -> (buffer, its run views)
         self._generation = -1
+        self._known: Mapping[str, torch.Tensor] | None = None  # the known source's dict the runs were found in
+
+    def plan(
+        self, buffer: torch.Tensor, flat: Mapping[str, torch.Tensor], known: KnownSource | None = None
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        """``(dst, src)`` for the copy of *flat* into *buffer* (the wire buffer as uint8).
+
+        *dst* is None when there is no span to merge: then *src* is *flat*'s tensors in layout
+        order, to copy one by one. Else *dst* and *src* are the runs' views, one ``copy_``
+        each. *known*: the configured source *flat* comes from (its :meth:`KnownSource.current`
+        just returned *flat*). Once runs are found in a known source's tensors, the source
+        proves their memory at each send (:meth:`KnownSource.track_memory`), and this
+        checks nothing per tensor: the same dict is the same memory.
+        """
+        if known is not None and flat is self._known and known.memory_tracked and self._runs is not None:
+            return self._dst_views(buffer), self._spans  # the flat source's send: no pass over its tensors
+        src = list(map(flat.__getitem__, self.layout.keys))
+        fused = self.pairs(buffer, src)
+        self._known = None
+        if fused is None:
+            return None, src
+        if known is not None and flat is known.flat:
+            known.track_memory()  # the tensors the runs were just found in, as they are now
+            self._known = flat
+        return fused
+
+    def _dst_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The runs' places in *buffer* (made once per buffer, for a few buffers: the reused slots)."""
+        entry = self._dst.get(id(buffer))
+        if entry is None or entry[0] is not buffer:
+            assert self._runs is not None
+            if len(self._dst) >= 16:  # transient slots: a new buffer per send
+                self._dst.clear()
+            entry = (buffer, [buffer[off : off + nb].view(dtype).view(span.shape) for off, nb, dtype, span in self._runs])
+            self._dst[id(buffer)] = entry
+        return entry[1]
 
     def pairs(self, buffer: torch.Tensor, src: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """``(dst, src)`` for one fused copy of *src* (in layout order) into *buffer*, or None.
@@ -156,8 +195,9 @@ class SpanCopier:
             self._generation = _generation
             self._runs = contiguous_runs(self.layout, src)
             self._ptrs, self._strides = ptrs, strides
+            self._spans = [r[3] for r in self._runs] if self._runs is not None else []
+            self._dst.clear()
         self._src = list(src)
         if self._runs is None:
             return None
-        dst = [buffer[off : off + nb].view(dtype).view(span.shape) for off, nb, dtype, span in self._runs]
-        return dst, [r[3] for r in self._runs]
+        return self._dst_views(buffer), self._spans

@@ -88,6 +88,13 @@ class SourceReader:
             validate(flat, self._source_layout, check_finite=True, wire_layout=self._wire_layout)
         return flat
 
+    def known(self, flat: Any) -> KnownSource | None:
+        """The configured source whose dict *flat* is (what :meth:`source` returned), if any."""
+        for known in self._known.values():
+            if known.flat is flat:
+                return known
+        return None
+
     def weights(self, weights: Any, partial: bool, check_finite: bool) -> dict[str, torch.Tensor]:
         """Weights given to one send (a module, TensorDict or state dict)."""
         flat = to_flat(weights, self._source_layout)

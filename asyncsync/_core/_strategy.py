@@ -423,6 +423,9 @@ _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
 _is_cpu = operator.attrgetter("is_cpu")
+_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+_contiguous = torch.Tensor.is_contiguous
 
 
 class KnownSource:
@@ -436,6 +439,11 @@ class KnownSource:
     parameters, buffers and children each holds); for a plain dict, its keys. Anything
     else (a TensorDict, a nested dict) is not cached. While nothing changed,
     :meth:`current` returns one dict built at validation (callers must not modify it).
+
+    After :meth:`track_memory` (the sender found the tensors laid out in flat spans and
+    copies them as such), :meth:`current` also proves that every tensor still views the
+    memory it viewed then: the same data pointer, still contiguous (or the same strides).
+    A tensor re-pointed (``p.data = other``), resized or viewed another way fails it.
     """
 
     def __init__(self, obj: Any, flat: dict[str, torch.Tensor]) -> None:
@@ -447,6 +455,9 @@ class KnownSource:
         self.dtypes = list(map(_dtype, self.tensors))
         self.devices = list(map(_device, self.tensors))
         self.on_cpu = all(d.type == "cpu" for d in self.devices)
+        self.ptrs: list[int] | None = None  # set by track_memory
+        self.strides: list[tuple[int, ...]] | None = None  # the same, where not all are contiguous
+        self._storages: list[torch.UntypedStorage] = []
         self.modules: list[nn.Module] = []
         if isinstance(obj, nn.Module):
             self.modules = list(obj.modules())
@@ -463,6 +474,21 @@ class KnownSource:
                             where[id(t)] = (d, name)
             self.containers = [where[id(t)][0] for t in self.tensors]
             self.names = [where[id(t)][1] for t in self.tensors]
+
+    def track_memory(self) -> None:
+        """From now on :meth:`current` also checks that the tensors view the memory they view
+        now (call it right after a :meth:`current` that returned this source's dict)."""
+        tensors = self.tensors
+        # Held so that no other allocation can take these addresses: an equal data pointer
+        # is the same memory (and, on the CPU, the same device).
+        self._storages = [t.untyped_storage() for t in tensors]
+        self.ptrs = list(map(_ptr, tensors))
+        self.strides = None if all(map(_contiguous, tensors)) else list(map(_stride, tensors))
+
+    @property
+    def memory_tracked(self) -> bool:
+        """Whether :meth:`track_memory` was called."""
+        return self.ptrs is not None
 
     def _sizes(self) -> tuple[list[int], list[int], list[int]]:
         return list(map(len, self.params)), list(map(len, self.buffers)), list(map(len, self.submodules))
@@ -499,6 +525,13 @@ class KnownSource:
             return None  # a tensor object was replaced: validate again
         if list(map(_shape, tensors)) != self.shapes or list(map(_dtype, tensors)) != self.dtypes:
             return None  # `p.data = ...` with another shape or dtype
+        if self.ptrs is not None:
+            if list(map(_ptr, tensors)) != self.ptrs:
+                return None  # `p.data = other`: other memory (the held storages: no address is reused)
+            if not all(map(_contiguous, tensors)) if self.strides is None else list(map(_stride, tensors)) != self.strides:
+                return None  # the same memory viewed another way (`p.data = p.data.t()`)
+            if self.on_cpu:
+                return self.flat  # the same live host memory: still on the CPU, no device pass needed
         if not (all(map(_is_cpu, tensors)) if self.on_cpu else list(map(_device, tensors)) == self.devices):
             return None  # moved to another device (`is_cpu` is a cached bool: no device object made)
         return self.flat

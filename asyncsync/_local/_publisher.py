@@ -34,6 +34,7 @@ from .._core._layout import Layout
 from .._core._offload import THREAD_COPY_BYTES, Offload
 from .._core._ownership import SlotLedger
 from .._core._signal import Signal
+from .._core._strategy import KnownSource
 from .._errors import CapacityError, ClosedError, SyncTimeoutError, WeightsError
 from .._io._slots import Slot, SlotPool
 from .._io._staging import copy_tensors
@@ -101,19 +102,19 @@ class Publisher:
             return True
         return any(link.in_flight is not None or link.staged is not None for link in self.ledger.links.values())
 
-    async def write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: int | None) -> None:
+    async def write(self, slot: Slot, flat: Mapping[str, torch.Tensor], base: int | None, known: KnownSource | None = None) -> None:
         """Copy *flat* into *slot*; with *base* (a slot id), the keys *flat* lacks come from there.
 
-        A large copy runs in the copy thread; if the caller is cancelled meanwhile, the slot
-        stays reserved until the copy is done (``slot.copying``)."""
+        *known*: the configured source *flat* was read from (a flattened model's send then
+        copies its flat buffers without a pass over its tensors). A large copy runs in the
+        copy thread; if the caller is cancelled meanwhile, the slot stays reserved until
+        the copy is done (``slot.copying``)."""
         keys = self._layout.keys
-        dst = list(map(self.pool.views(slot).__getitem__, keys))
         if base is None:
-            src = list(map(flat.__getitem__, keys))
-            fused = self._spans.pairs(self.pool.views_buffer(slot), src)
-            if fused is not None:
-                dst, src = fused
+            fused, src = self._spans.plan(self.pool.views_buffer(slot), flat, known)
+            dst = fused if fused is not None else list(map(self.pool.views(slot).__getitem__, keys))
         else:
+            dst = list(map(self.pool.views(slot).__getitem__, keys))
             base_views = self.pool.views(self.pool.get(base))
             src = [flat[k] if k in flat else base_views[k] for k in keys]
         t0 = time.perf_counter()

@@ -305,7 +305,7 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
                 for flat, members, base in plan:
                     slot = await self._slots.acquire(deadline)
                     written.append((slot, members))
-                    await self._slots.write(slot, flat, base)
+                    await self._slots.write(slot, flat, base, self._reader.known(flat))
             except BaseException:
                 self._slots.unreserve([slot for slot, _ in written if not slot.copying])
                 raise
