@@ -191,3 +191,37 @@ async def test_raw_bytes_need_a_connection() -> None:
         r.get_bytes_nowait()
     w.close()
     r.close()
+
+
+async def test_a_framed_frame_keeps_its_place_behind_buffered_bytes_and_the_rules() -> None:
+    from asyncsync._io._framing import HEADER
+
+    def framed(payload: bytes) -> bytes:
+        return HEADER.pack(len(payload)) + payload
+
+    a, b = CTX.Pipe()
+    w: AsyncQueue[object] = AsyncQueue(a, max_buffer=0)
+    r: AsyncQueue[object] = AsyncQueue(b)
+    w.put_frame_nowait(framed(b"first"))  # nothing buffered: straight to the kernel
+    assert w.write_buffer_size == 0
+    big = bytes(8 << 20)
+    w.put_bytes_nowait(big)  # the kernel takes far less: the rest stays buffered
+    assert w.write_buffer_size > 0
+    with pytest.raises(WouldBlock):  # above the mark, as put_bytes_nowait
+        w.put_frame_nowait(framed(b"refused"))
+    assert await r.get_bytes(timeout=5) == b"first"
+    assert await r.get_bytes(timeout=30) == big
+    await w.flush()
+    w.put_frame_nowait(framed(b"after"))
+    assert await r.get_bytes(timeout=5) == b"after"
+    r.close()
+    with pytest.raises(BrokenChannelError):
+        for _ in range(1000):  # the kernel reports the peer gone on a write
+            w.put_frame_nowait(framed(b"x"))
+    w.close()
+    with pytest.raises(ClosedError):
+        w.put_frame_nowait(framed(b"closed"))
+    q, _ = pair("queue")
+    with pytest.raises(TypeError, match="only over a Connection"):
+        q.put_frame_nowait(framed(b"x"))
+    q.close()

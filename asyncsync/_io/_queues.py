@@ -82,6 +82,11 @@ class AsyncQueue(Generic[T]):
             self._end = _QueueEnd(endpoint, max_buffer)
         else:
             raise TypeError(f"expected a multiprocessing Connection or Queue, got {type(endpoint).__name__}")
+        # (the end's own method: no call through this object on every send's hot path)
+        self.put_frame_nowait: Callable[[bytes], None] = self._end.put_frame_nowait
+        """:meth:`put_bytes_nowait` of a small payload that carries its frame header already
+        (``HEADER.pack(len(payload)) + payload``, at most 16 KiB; made once, written to many
+        queues): one system call when nothing waits to be written. Same rules otherwise."""
 
     @property
     def endpoint(self) -> Connection | _MPQueue[Any]:
@@ -219,12 +224,6 @@ class AsyncQueue(Generic[T]):
         endpoints only.
         """
         self._end.put_bytes_nowait(data)
-
-    def put_frame_nowait(self, frame: bytes) -> None:
-        """:meth:`put_bytes_nowait` of a small payload that carries its frame header already
-        (``HEADER.pack(len(payload)) + payload``, at most 16 KiB; made once, written to many
-        queues): one system call when nothing waits to be written. Same rules otherwise."""
-        self._end.put_frame_nowait(frame)
 
     async def put(self, item: T) -> None:
         """Send *item*, first waiting (in the loop) while more than ``max_buffer`` bytes are unwritten.
