@@ -4,7 +4,8 @@
 contiguous buffer per ``(dtype, device)``, in ``state_dict`` order, so that they are
 consecutive views of one storage. The sender then notices (:class:`SpanCopier`) that a
 run of the wire layout is one contiguous span of the source and copies it in one
-``copy_`` instead of one per tensor.
+``copy_`` instead of one per tensor; from then on the source's check at each send also
+proves that memory (:meth:`KnownSource.track_memory <._strategy.KnownSource.track_memory>`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ class SpanCopier:
     be found again, so a span never copies stale memory. The spans keep their storage
     alive, so a matching data pointer really is the same memory. The same tensor objects
     with nothing to merge cost one identity check per send (they are looked at again
-    after a :func:`flatten_parameters`).
+    after a :func:`flatten_parameters`). For a configured source (:meth:`plan` with its
+    :class:`KnownSource`), the source's own check proves the memory instead and the plan
+    is reused with no pass here.
     """
 
     def __init__(self, layout: Layout) -> None:

@@ -431,23 +431,10 @@ class FramedPipe(FdEnd):
         """:meth:`put_bytes_nowait` of a small payload framed already (``HEADER.pack(len(payload)) +
         payload``, at most 16 KiB): the hot path of a send, one system call when nothing
         waits to be written. The same rules as :meth:`put_bytes_nowait`."""
-        sock = self._sock
-        if self._wq or sock is None or self._closed or self._broken is not None:
+        if self._wq or self._sock is None or self._closed or self._broken is not None:
             self.put_bytes_nowait(frame[HEADER.size :])  # the general path: it raises what it must
             return
-        try:
-            sent = sock.send(frame, _SEND_FLAGS)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            self._set_broken(exc)
-            self._raise_broken()
-        if sent == len(frame):
-            return
-        rest = memoryview(frame)[sent:]
-        self._wq.append(rest)
-        self._wbytes += len(rest)
-        self._start_flush()
+        self._write_small(frame)
 
     def _check_writable(self) -> None:
         """Raise unless a frame can be buffered now (broken, read-only, above the mark)."""
@@ -461,25 +448,29 @@ class FramedPipe(FdEnd):
     def _append_frame(self, payload: bytes | memoryview) -> None:
         size = len(payload)
         if size <= _SMALL_FRAME:
-            frame: bytes | memoryview = HEADER.pack(size) + payload
-            if not self._wq and self._sock is not None:
-                # Nothing queued: hand the frame to the kernel at once (every control message).
-                try:
-                    sent = self._sock.send(frame, _SEND_FLAGS)
-                except BlockingIOError:
-                    sent = 0
-                except OSError as exc:
-                    self._set_broken(exc)
-                    self._raise_broken()
-                if sent == len(frame):
-                    return
-                frame = memoryview(frame)[sent:]
-            self._wq.append(frame)
-            self._wbytes += len(frame)
-        else:
-            self._wq.append(frame_header(size))
-            self._wq.append(payload)
-            self._wbytes += size + header_bytes(size)
+            self._write_small(HEADER.pack(size) + payload)
+            return
+        self._wq.append(frame_header(size))
+        self._wq.append(payload)
+        self._wbytes += size + header_bytes(size)
+        self._start_flush()
+
+    def _write_small(self, frame: bytes | memoryview) -> None:
+        """A small frame (its header included): to the kernel at once when nothing is queued
+        (every control message), what it does not take buffered behind the rest."""
+        if not self._wq and self._sock is not None:
+            try:
+                sent = self._sock.send(frame, _SEND_FLAGS)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self._set_broken(exc)
+                self._raise_broken()
+            if sent == len(frame):
+                return
+            frame = memoryview(frame)[sent:]
+        self._wq.append(frame)
+        self._wbytes += len(frame)
         self._start_flush()
 
     async def put(self, item: Any) -> None:
