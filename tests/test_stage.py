@@ -115,18 +115,23 @@ def one_tensor_staging() -> tuple[SlotStaging, torch.Tensor]:
     return staging, staging.slots.views(1, layout)["w"]
 
 
+async def cancel_mid_copy(staging: SlotStaging, gate: CopyGate) -> None:
+    """Stage version 1 from slot 1, and cancel the staging once its copy is held by *gate*."""
+    gate.arm()
+    task = asyncio.create_task(staging.stage(Receive(1, 1)))
+    await gate.wait_started()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_a_cancelled_staging_copy_keeps_its_set_until_it_ends_then_the_set_is_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = CopyGate(monkeypatch)
     staging, view = one_tensor_staging()
     roles = staging.roles
     assert roles is not None
     view.fill_(1.5)
-    gate.arm()
-    first = asyncio.create_task(staging.stage(Receive(1, 1)))
-    await gate.wait_started()
-    first.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await first
+    await cancel_mid_copy(staging, gate)
     written = gate.dst[0]
     assert roles.staging is not None and roles.staging.tensors["w"] is written  # not freed: the copy still writes it
     assert staging.waits_for(1)  # a poll leaves it to the receiver task
@@ -148,12 +153,7 @@ async def test_a_cancelled_staging_copy_keeps_its_set_until_it_ends_then_the_set
 async def test_a_close_during_a_cancelled_copy_unmaps_only_once_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     gate = CopyGate(monkeypatch)
     staging, _ = one_tensor_staging()
-    gate.arm()
-    task = asyncio.create_task(staging.stage(Receive(1, 1)))
-    await gate.wait_started()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_mid_copy(staging, gate)
     staging.close()
     assert staging.slots.get(1) is not None  # the copy still reads the slot: still mapped
     closed = asyncio.create_task(staging.wait_closed())

@@ -157,10 +157,6 @@ class Receiver:
     def _layout(self) -> Layout | None:
         return self._staging.layout
 
-    @property
-    def _layout_error(self) -> str | None:
-        return self._staging.error
-
     async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Start the receiver task; return once the initial weights are applied."""
         if self._state != "new":
@@ -405,9 +401,8 @@ class Receiver:
             return
         device = self._device_override or (torch.device(msg.device) if msg.device else None)
         bound = bind_model(self.model, msg.layout, device, self.commit_kind)
-        version = self._version
-        roles = self._staging.bind(msg.layout, bound, version)
-        if isinstance(bound, str) or roles is None:
+        roles = self._staging.bind(msg.layout, bound, self._version)
+        if isinstance(bound, str):
             return
         usable = bound.reads_slot and self.commit_kind == "swap" and SlotBucket.usable(msg.layout, bound.targets.values())
         bucket = SlotBucket(msg.layout, list(bound.targets.values())) if usable else None
