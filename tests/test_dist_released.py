@@ -1,8 +1,9 @@
-"""A weight-sync group that fails to form leaves nothing open, even while its error is kept.
+"""What the multi-host scheme opened is closed when it is done, even while its objects or errors are kept.
 
 A log record keeps the exception it was given (``logger.warning("... %r", exc)``), and so
 may a caller: the exception's frames must not keep the store connection and the gloo device
-(a listening socket, an epoll and a pipe) of the group that never formed.
+(a listening socket, an epoll and a pipe) of a group that never formed. A closed scheme
+the program still holds holds no connection either.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import threading
 import pytest
 import torch.distributed as dist
 from anyio import wait_all_tasks_blocked
+from torch import nn
 
 from asyncsync import SyncTimeoutError
 from asyncsync._dist._dataplane import SyncGroup
-from asyncsync.testing import no_leaks
+from asyncsync.testing import no_leaks, open_loopback_hosts
 
 WAIT_S = 20.0  # a bound for the blocked rendezvous's own wait (the test opens it well before)
 
@@ -74,3 +76,12 @@ async def test_a_rendezvous_given_up_on_keeps_nothing_open_once_it_ends_while_th
         for _ in range(2):  # its outcome reaches the loop in one callback, whose own callbacks run next
             await wait_all_tasks_blocked()
     assert kept
+
+
+async def test_closed_schemes_still_referenced_hold_no_descriptor() -> None:
+    async with open_loopback_hosts(nn.Linear(4, 2), lambda: nn.Linear(4, 2), timeout=WAIT_S):
+        pass  # the first cluster in a process leaves the backend's process-wide state behind
+    with no_leaks():
+        async with open_loopback_hosts(nn.Linear(4, 2), lambda: nn.Linear(4, 2), timeout=WAIT_S) as lh:
+            await lh.trainer.send()
+    assert lh.hosts[1].relay is not None  # closed, and still held: its store connection is closed all the same
