@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from .._core._layout import _storage_key
 from .._core._source import configured_source
 from .._core._strategy import Strategy, resolve_model, to_flat
 from .._errors import ClosedError
@@ -294,7 +295,7 @@ class DistributedWeightSyncScheme:
             if model is None:
                 raise ValueError("the relay needs the model's architecture: pass model= or weights=")
         template = to_flat(model if model is not None else weights)
-        frozen = {k: t.detach().clone() for k, t in template.items()}  # the relay never reads it again
+        frozen = _frozen_copy(template)  # the relay never reads it again
         local = MultiProcessWeightSyncScheme(**self._options)
         local.init_on_sender(weights=frozen, num_workers=num_workers)
         self._local = local
@@ -523,3 +524,19 @@ class DistributedWeightSyncScheme:
 
 def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
     return scheme
+
+
+def _frozen_copy(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A detached copy of *flat* that keeps its ties: names of one tensor (tied weights)
+    stay names of one copy, so the relay's wire layout has the trainer's aliases."""
+    copies: dict[tuple[object, ...], torch.Tensor] = {}
+    frozen: dict[str, torch.Tensor] = {}
+    for k, t in flat.items():
+        key = _storage_key(t)
+        if key is None:
+            frozen[k] = t.detach().clone()
+        else:
+            if key not in copies:
+                copies[key] = t.detach().clone()
+            frozen[k] = copies[key]
+    return frozen
