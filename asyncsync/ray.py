@@ -163,6 +163,7 @@ class _ActorGroup:
         self.actor_options = dict(actor_options)
         self.join_timeout = join_timeout
         self.start_timeout = start_timeout
+        self.scheme: Any = None
         self.actors: dict[Any, Any] = {}
         self.pids: dict[Any, int] = {}
         self.node_ids: dict[Any, str] = {}  # each worker's Ray node
@@ -233,6 +234,23 @@ class _ActorGroup:
         scheme names the worker dead; :meth:`join` does not report it."""
         self._killed.add(worker_id)
         _ray().kill(self.actors[worker_id], no_restart=True)
+
+    async def restart(self, worker_id: Any, *, timeout: float = 30.0) -> None:
+        """Replace one worker's actor: kill it, wait until the trainer noticed, start a new
+        one in its place, and return once it has applied the newest version it was sent."""
+        ray = _ray()
+        self.kill(worker_id)
+        acks = self.scheme.sender._acks
+        await acks.wait_gone([worker_id], timeout, f"waiting for worker {worker_id} to be declared dead")
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(self._runs[worker_id]), timeout)
+        self._killed.discard(worker_id)
+        self._respawn(ray, worker_id)
+        await self._wait_started([worker_id])
+        await acks.wait_joined([worker_id], timeout, f"waiting for worker {worker_id} to join")
+
+    def _respawn(self, ray: Any, worker_id: Any) -> None:
+        raise NotImplementedError
 
     async def join(self, timeout: float | None = None) -> dict[Any, Any]:
         """Wait for every actor's function to return; ``{worker id: result}``.
@@ -318,28 +336,14 @@ class RayWorkerGroup(_ActorGroup):
         if self.scheme.listener is None:
             await self.scheme.listen()
         for idx in self.worker_ids:
-            self._start_one(ray, idx)
+            self._respawn(ray, idx)
         await self._wait_started(self.worker_ids)
 
-    def _start_one(self, ray: Any, idx: int) -> None:
+    def _respawn(self, ray: Any, worker_id: Any) -> None:
         listener = self.scheme.listener
         assert listener is not None
         # by default on the trainer's node, where the shared memory is
-        self._start_worker(ray, idx, idx, str(listener.address), ray.get_runtime_context().get_node_id())
-
-    async def restart(self, worker_idx: int, *, timeout: float = 30.0) -> None:
-        """Replace worker *worker_idx*'s actor: kill it, wait until the scheme noticed, start a
-        new one, and return once it has applied the newest version."""
-        ray = _ray()
-        self.kill(worker_idx)
-        sender = self.scheme.sender
-        await sender.wait_dead(worker_idx, timeout=timeout)
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(self._runs[worker_idx]), timeout)
-        self._killed.discard(worker_idx)
-        self._start_one(ray, worker_idx)
-        await self._wait_started([worker_idx])
-        await sender.wait_joined(worker_idx, timeout=timeout)
+        self._start_worker(ray, worker_id, worker_id, str(listener.address), ray.get_runtime_context().get_node_id())
 
 
 class RayHostGroup(_ActorGroup):
@@ -372,6 +376,7 @@ class RayHostGroup(_ActorGroup):
         self.relays: dict[int, Any] = {}
         self.relay_pids: dict[int, int] = {}
         self.node_addresses: dict[int, str] = {}
+        self._addresses: dict[int, str] = {}  # each relay's, for its workers to attach to
         self._relay_runs: dict[int, asyncio.Future[Any]] = {}
         self._lost: set[int] = set()  # by kill_host()
 
@@ -402,10 +407,15 @@ class RayHostGroup(_ActorGroup):
         for h, (where, address) in ready.items():
             self.relay_pids[h] = self._started(("relay", h), where)
             self.node_addresses[h] = where[2]
+            self._addresses[h] = address
             self._relay_runs[h] = _run(self.relays[h].run.remote())
             for wid in (w for w in self.worker_ids if w[0] == h):
-                self._start_worker(ray, wid, wid[1], address, self.nodes[h])
+                self._respawn(ray, wid)
         await self._wait_started(self.worker_ids)
+
+    def _respawn(self, ray: Any, worker_id: Any) -> None:
+        host, idx = worker_id
+        self._start_worker(ray, worker_id, idx, self._addresses[host], self.nodes[host])
 
     def kill_host(self, host: int) -> None:
         """Kill one host's relay actor (``ray.kill``; for fault-injection tests): the trainer

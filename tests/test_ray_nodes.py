@@ -130,7 +130,7 @@ async def test_workers_on_two_nodes_receive_every_version_and_the_latest_wins(no
     assert_released(group, ports, segments)
 
 
-async def test_a_killed_worker_is_named_and_a_killed_relay_is_a_lost_host(nodes: tuple[str, str]) -> None:
+async def test_a_killed_worker_is_named_and_replaced_and_a_killed_relay_is_a_lost_host(nodes: tuple[str, str]) -> None:
     here, other = nodes
     model = make_model()
     scheme = trainer_scheme()
@@ -147,8 +147,14 @@ async def test_a_killed_worker_is_named_and_a_killed_relay_is_a_lost_host(nodes:
             with pytest.raises(WorkerDiedError, match=r"worker \(1, 1\)") as died:
                 await scheme.send()
             assert died.value.worker_idx == (1, 1) and not isinstance(died.value, HostLostError)
+            sent_to_it = scheme.version  # 2, or 1 if the trainer knew before it copied anything
             fill_(model, 3.0)
             v3 = await scheme.send(worker_ids=[(1, 0), (2, 0)])
+            await group.restart((1, 1), timeout=120)  # a new actor next to host 1's relay
+            assert scheme.sender.applied_versions()[(1, 1)] == sent_to_it, "the replacement starts at the newest version it was sent"
+            fill_(model, 3.5)
+            v4 = await scheme.send()
+            assert scheme.sender.applied_versions() == {(1, 0): v4, (1, 1): v4, (2, 0): v4}
             group.kill_host(1)  # the other node's relay
             await exited(group.relay_pids[1])
             await scheme.sender.wait_lost(1, timeout=60)
@@ -158,9 +164,38 @@ async def test_a_killed_worker_is_named_and_a_killed_relay_is_a_lost_host(nodes:
             assert lost.value.host == 1
             fill_(model, 5.0)
             v5 = await scheme.send(worker_ids=(2, 0))
-            assert v5 > v3 and scheme.sender.applied_versions()[(2, 0)] == v5
+            assert v5 > v4 > v3 and scheme.sender.applied_versions()[(2, 0)] == v5
     assert set(group.results) == {(2, 0)}, "the killed host's workers are not reported"
     seen = group.results[(2, 0)]
-    assert seen[1] == (1, [1.0]) and seen[-1] == (v5, [5.0]) and (v3, [3.0]) in seen
+    assert seen[1] == (1, [1.0]) and seen[-1] == (v5, [5.0]) and (v3, [3.0]) in seen and (v4, [3.5]) in seen
     assert [v for v, _ in seen] == sorted({v for v, _ in seen})
     assert_released(group, ports, segments)
+
+
+async def test_a_placement_the_cluster_cannot_run_is_refused_before_anything_starts(nodes: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    here, other = nodes
+    scheme = trainer_scheme()
+    scheme.init_on_sender(model=make_model(), hosts={1: 1, 2: 1})
+    try:
+        with pytest.raises(ValueError, match=r"names hosts \[1\], but the scheme's hosts are \[1, 2\]"):
+            start_workers(recording_worker, scheme, nodes={1: other})
+        with pytest.raises(ValueError, match="lists 1 nodes for the scheme's 2 hosts"):
+            start_workers(recording_worker, scheme, nodes=[other])
+        with pytest.raises(ValueError, match="host 2: 'f00d' is not a living node"):
+            start_workers(recording_worker, scheme, nodes={1: other, 2: "f00d"})
+        with pytest.raises(ValueError, match="2 hosts .* 1 other living nodes"):
+            start_workers(recording_worker, scheme)  # by default, only the nodes other than the trainer's
+    finally:
+        await scheme.aclose()
+    loopback = DistributedWeightSyncScheme(timeout=30, token="ray-nodes", master_addr="127.0.0.1", master_port=free_port())
+    loopback.init_on_sender(model=make_model(), hosts={1: 1})
+    real = ray.nodes()
+    elsewhere = [dict(n, NodeManagerAddress="198.51.100.7") if n["NodeID"] == other else n for n in real]
+    monkeypatch.setattr(ray, "nodes", lambda: elsewhere)  # as if the other node were another machine
+    try:
+        with pytest.raises(ValueError, match=r"node .* \(198.51.100.7\) cannot reach the trainer at 127.0.0.1: .*get_node_ip_address"):
+            start_workers(recording_worker, loopback, nodes=[other])
+        start_workers(recording_worker, loopback, nodes=[here])  # its own machine reaches it (nothing started yet)
+    finally:
+        await loopback.aclose()
+

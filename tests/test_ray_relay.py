@@ -1,0 +1,84 @@
+"""What ``asyncsync.ray`` gives a relay it starts on another node, checked without Ray.
+
+A relay actor builds its scheme from the trainer's options and store address
+(``DistributedWeightSyncScheme._relay_kwargs``) and its model from the trainer's layout
+alone (:func:`asyncsync.ray.relay_template`: meta tensors, no memory). Here the trainer,
+that relay and one worker share this event loop, over gloo on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+
+from asyncsync import DistributedWeightSyncScheme
+from asyncsync._local._loopback import loopback_worker
+from asyncsync.ray import relay_template, start_workers
+from tests._ray_targets import recording_worker
+from tests._targets import fill_, make_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def trainer_scheme(**options: object) -> DistributedWeightSyncScheme:
+    return DistributedWeightSyncScheme(rank=0, timeout=30, token="relay", master_addr="127.0.0.1", master_port=free_port(), **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transfer_dtype", [None, torch.bfloat16])
+async def test_a_relay_built_from_the_trainers_layout_and_options_delivers(transfer_dtype: torch.dtype | None) -> None:
+    model = make_model()
+    trainer = trainer_scheme(transfer_dtype=transfer_dtype)
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    template = relay_template(trainer.sender._source_layout)
+    assert all(t.is_meta for t in template.values()), "the relay's copy of the architecture takes no memory"
+    host = DistributedWeightSyncScheme(rank=1, **trainer._relay_kwargs())
+    host.init_on_relay(weights=template, num_workers=1)
+    replica = make_model()
+    fill_(replica, 0.0)
+    worker = loopback_worker(host.local, 0)
+    worker.init_on_receiver(worker_idx=0, model=replica)
+    try:
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        fill_(model, 3.0)
+        assert await trainer.send() == 1
+        assert worker.version == 1
+        assert all(bool((p == 3.0).all()) for p in replica.parameters())
+        assert trainer.sender.applied_versions() == {(1, 0): 1}
+    finally:
+        await trainer.aclose()
+        await host.aclose()
+        await worker.aclose()
+
+
+async def test_a_host_scheme_takes_its_worker_counts_from_its_hosts() -> None:
+    trainer = trainer_scheme()
+    trainer.init_on_sender(model=make_model(), hosts={1: 2})
+    try:
+        with pytest.raises(ValueError, match="init_on_sender"):
+            start_workers(recording_worker, trainer, num_workers=2)
+    finally:
+        await trainer.aclose()
+
+
+async def test_tied_weights_are_refused_before_any_relay_starts() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 4)
+            self.head = torch.nn.Linear(4, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    trainer = trainer_scheme()
+    trainer.init_on_sender(model=Tied(), hosts={1: 1})
+    try:
+        with pytest.raises(ValueError, match="'head.weight' is 'emb.weight'"):
+            start_workers(recording_worker, trainer)
+    finally:
+        await trainer.aclose()
