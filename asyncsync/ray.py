@@ -56,7 +56,7 @@ import math
 import os
 from collections.abc import Callable, Coroutine, Hashable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import anyio
 import torch
@@ -446,6 +446,34 @@ class RayHostGroup(_ActorGroup):
         super()._annotate(exc)
 
 
+@overload
+def start_workers(
+    fn: Callable[..., Coroutine[Any, Any, Any]],
+    scheme: MultiProcessWeightSyncScheme,
+    *args: Any,
+    num_workers: int | None = None,
+    worker_ids: Iterable[int] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    actor_options: Mapping[str, Any] | None = None,
+    join_timeout: float = 30.0,
+    start_timeout: float = START_TIMEOUT,
+) -> RayWorkerGroup: ...
+
+
+@overload
+def start_workers(
+    fn: Callable[..., Coroutine[Any, Any, Any]],
+    scheme: DistributedWeightSyncScheme,
+    *args: Any,
+    nodes: Mapping[int, str] | Sequence[str] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    actor_options: Mapping[str, Any] | None = None,
+    relay_options: Mapping[str, Any] | None = None,
+    join_timeout: float = 30.0,
+    start_timeout: float = START_TIMEOUT,
+) -> RayHostGroup: ...
+
+
 def start_workers(
     fn: Callable[..., Coroutine[Any, Any, Any]],
     scheme: MultiProcessWeightSyncScheme | DistributedWeightSyncScheme,
@@ -458,7 +486,7 @@ def start_workers(
     relay_options: Mapping[str, Any] | None = None,
     join_timeout: float = 30.0,
     start_timeout: float = START_TIMEOUT,
-) -> Any:
+) -> RayWorkerGroup | RayHostGroup:
     """A group of Ray actors to use as ``async with``: one actor per worker, each running
     ``fn(worker_idx, attached_scheme, *args, **kwargs)`` in its event loop.
 
@@ -544,10 +572,6 @@ def _loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
-
-
-def ray_node_id() -> str:
-    return str(_ray().get_runtime_context().get_node_id())
 
 
 async def _wait_exited(pids: list[int], timeout: float) -> None:
