@@ -232,6 +232,8 @@ class _ActorGroup:
     def kill(self, worker_id: Any) -> None:
         """Kill one worker's actor process (``ray.kill``; for fault-injection tests). The
         scheme names the worker dead; :meth:`join` does not report it."""
+        if worker_id not in self.actors:
+            raise ValueError(f"no worker {worker_id!r} in this group (workers {sorted(self.actors)})")
         self._killed.add(worker_id)
         _ray().kill(self.actors[worker_id], no_restart=True)
 
@@ -421,6 +423,8 @@ class RayHostGroup(_ActorGroup):
         """Kill one host's relay actor (``ray.kill``; for fault-injection tests): the trainer
         loses the host (:class:`HostLostError`), its workers end with
         :class:`SenderDiedError` (not reported by :meth:`join`)."""
+        if host not in self.relays:
+            raise ValueError(f"no host {host!r} in this group (hosts {sorted(self.relays)})")
         self._lost.add(host)
         self._killed.update(w for w in self.worker_ids if w[0] == host)
         _ray().kill(self.relays[host], no_restart=True)
