@@ -356,6 +356,16 @@ class RayHostGroup(_ActorGroup):
     actors on the same node, attached to the relay. Worker ids are ``(host, local index)``:
     ``actors``, ``pids`` and ``results`` are keyed by them; ``relays`` and ``relay_pids``
     by host. A relay that died or failed is a lost host (:class:`HostLostError`).
+
+    Example (host 1 on another node, host 2 on the trainer's)::
+
+        async with start_workers(worker, scheme, nodes={1: other_node, 2: this_node}) as group:
+            async with scheme:
+                await scheme.send()
+                group.kill_host(1)                      # a fault test: host 1's relay dies
+                await scheme.sender.wait_lost(1, timeout=30)
+                await scheme.send(worker_ids=[(2, 0)])  # host 2 goes on
+        print(group.results)                            # {(2, 0): ...}: host 1's are not reported
     """
 
     def __init__(
