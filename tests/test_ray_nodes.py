@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from collections.abc import Iterator
 
 import psutil
@@ -18,7 +19,7 @@ import pytest
 
 from asyncsync import DistributedWeightSyncScheme, HostLostError, WorkerDiedError
 from asyncsync.ray import RayHostGroup, start_workers
-from tests._ray_targets import recording_worker
+from tests._ray_targets import assert_versions_then_the_latest, recording_worker, send_versions_then_a_burst
 from tests._targets import fill_, make_model
 
 ray = pytest.importorskip("ray")  # only where CI installed the `ray` extra for this module
@@ -70,9 +71,20 @@ def shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def assert_released(group: RayHostGroup, ports: set[int], segments: set[str]) -> None:
-    """Every actor process gone (or a zombie its raylet has yet to reap), the trainer's store
-    and control ports closed, no shared-memory file left."""
+def ours() -> tuple[set[int], set[str], set[threading.Thread]]:
+    """What the trainer's side may leak: listening ports, /dev/shm files, asyncsync's threads."""
+    return listening_ports(), shm(), {t for t in threading.enumerate() if t.name.startswith("asyncsync")}
+
+
+def assert_released(group: RayHostGroup, before: tuple[set[int], set[str], set[threading.Thread]]) -> None:
+    """Every actor process gone (or a zombie its raylet has yet to reap); the trainer's store
+    and control ports closed, no shared-memory file left, and every thread the trainer's
+    scheme started ended (a daemon thread dropping a group may still be finishing: joined,
+    bounded)."""
+    ports, segments, threads = before
+    for t in {t for t in threading.enumerate() if t.name.startswith("asyncsync")} - threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), f"thread {t.name} still runs after the scheme closed"
     actors = {f"worker {w}": p for w, p in group.pids.items()} | {f"host {h}'s relay": p for h, p in group.relay_pids.items()}
     for name, pid in actors.items():
         try:
@@ -104,38 +116,28 @@ async def exited(pid: int) -> None:
 
 async def test_workers_on_two_nodes_receive_every_version_and_the_latest_wins(nodes: tuple[str, str]) -> None:
     here, other = nodes
+    before = ours()
     model = make_model()
     fill_(model, 0.0)
     scheme = trainer_scheme()
     scheme.init_on_sender(model=model, hosts={1: 1, 2: 1})
-    ports, segments = listening_ports(), shm()
     async with start_workers(recording_worker, scheme, nodes={1: other, 2: here}) as group:
         assert isinstance(group, RayHostGroup)
         assert group.node_ids == {(1, 0): other, (2, 0): here}, "each host's worker runs on its host's node"
         async with scheme:
-            for v in (1, 2, 3):  # sync sends: every worker applies every version
-                fill_(model, float(v))
-                assert await scheme.send() == v
-            for v in range(4, 12):  # a burst without waiting: a busy host skips to the newest
-                fill_(model, float(v))
-                await scheme.send_async()
-            await scheme.wait_async(11)
+            await send_versions_then_a_burst(scheme, model)  # a busy host skips to the newest too
             assert scheme.sender.applied_versions() == {(1, 0): 11, (2, 0): 11}
     assert set(group.results) == {(1, 0), (2, 0)}
-    for seen in group.results.values():
-        assert seen[:4] == [(v, [float(v)]) for v in range(4)]
-        versions = [v for v, _ in seen]
-        assert versions == sorted(set(versions)) and versions[-1] == 11
-        assert all(values == [float(v)] for v, values in seen), "each version's weights, exactly as sent"
-    assert_released(group, ports, segments)
+    assert_versions_then_the_latest(group.results)
+    assert_released(group, before)
 
 
 async def test_a_killed_worker_is_named_and_replaced_and_a_killed_relay_is_a_lost_host(nodes: tuple[str, str]) -> None:
     here, other = nodes
+    before = ours()
     model = make_model()
     scheme = trainer_scheme()
     scheme.init_on_sender(model=model, hosts={1: 2, 2: 1})
-    ports, segments = listening_ports(), shm()
     async with start_workers(recording_worker, scheme, nodes=[other, here]) as group:  # host 1 on the other node
         assert group.nodes == {1: other, 2: here}
         async with scheme:
@@ -169,7 +171,7 @@ async def test_a_killed_worker_is_named_and_replaced_and_a_killed_relay_is_a_los
     seen = group.results[(2, 0)]
     assert seen[1] == (1, [1.0]) and seen[-1] == (v5, [5.0]) and (v3, [3.0]) in seen and (v4, [3.5]) in seen
     assert [v for v, _ in seen] == sorted({v for v, _ in seen})
-    assert_released(group, ports, segments)
+    assert_released(group, before)
 
 
 async def test_a_placement_the_cluster_cannot_run_is_refused_before_anything_starts(nodes: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
