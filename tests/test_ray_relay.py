@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 
 import pytest
 import torch
 
-from asyncsync import DistributedWeightSyncScheme
+from asyncsync import DistributedWeightSyncScheme, HostLostError
 from asyncsync._local._loopback import loopback_worker
-from asyncsync.ray import relay_template, start_workers
+from asyncsync.ray import RayHostGroup, relay_template, start_workers
 from tests._ray_targets import recording_worker
 from tests._targets import fill_, make_model
 
@@ -80,5 +81,21 @@ async def test_tied_weights_are_refused_before_any_relay_starts() -> None:
     try:
         with pytest.raises(ValueError, match="'head.weight' is 'emb.weight'"):
             start_workers(recording_worker, trainer)
+    finally:
+        await trainer.aclose()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11's")
+async def test_a_lost_host_leaving_the_group_names_its_ray_node() -> None:
+    trainer = trainer_scheme()
+    trainer.init_on_sender(model=make_model(), hosts={1: 1})
+    try:
+        group = RayHostGroup(  # as start_workers makes it (its placement check needs a cluster)
+            recording_worker, trainer, (), {}, {1: "f00d"}, {}, {}, 30.0, 30.0
+        )
+        group.node_addresses[1] = "198.51.100.7"  # as start() records it
+        lost = HostLostError(1, (1, 0), "relay at 198.51.100.7:4242 closed the connection")
+        await group.__aexit__(HostLostError, lost, None)  # the error leaves `async with group`
+        assert "host 1 ran on Ray node f00d (198.51.100.7)" in lost.__notes__
     finally:
         await trainer.aclose()
