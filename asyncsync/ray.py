@@ -258,7 +258,8 @@ class _ActorGroup:
         """Wait for every actor's function to return; ``{worker id: result}``.
 
         Raises :class:`WorkerProcessError` for the first worker whose function raised or
-        whose actor died, :class:`SyncTimeoutError` after *timeout* seconds.
+        whose actor died (in a :class:`RayHostGroup`, :class:`HostLostError` first for a
+        relay that failed), :class:`SyncTimeoutError` after *timeout* seconds.
         """
         runs = self._all_runs()
         done, pending = await asyncio.wait(runs, timeout=math.inf if timeout is None else timeout) if runs else (set(), set())
