@@ -189,21 +189,43 @@ class DistributedWeightSyncScheme:
         timeout = datetime.timedelta(seconds=self.timeout if self.timeout is not None else 300.0)
         if self._user_store is not None:
             base = self._user_store
-        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+        elif self._agent_store():
             base = TCPStore(self.master_addr, self.master_port, None, False, timeout)
         else:
-            port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
-            base = TCPStore(self.master_addr, port, None, self.rank == 0, timeout, wait_for_workers=False)
+            base = TCPStore(self.master_addr, self._store_port(), None, self.rank == 0, timeout, wait_for_workers=False)
         self._store = PrefixStore("asyncsync/", base)
         return self._store
+
+    def _agent_store(self) -> bool:
+        return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None
+
+    def _store_port(self) -> int:
+        """The port of the rendezvous store on ``master_addr`` (unless one was passed as ``store=``)."""
+        if self._agent_store():
+            return self.master_port
+        return self._explicit_port if self._explicit_port is not None else self.master_port + 1
 
     def _store_name(self) -> str:
         if self._user_store is not None:
             return "the store passed as store="
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+        if self._agent_store():
             return f"torchrun's agent store ({self.master_addr}:{self.master_port})"
-        port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
-        return f"{self.master_addr}:{port}"
+        return f"{self.master_addr}:{self._store_port()}"
+
+    def _relay_kwargs(self) -> dict[str, Any]:
+        """The constructor's arguments for a relay of this trainer started elsewhere (a Ray
+        actor): the same options, this trainer's store given as an explicit address."""
+        if self._user_store is not None:
+            raise ValueError("relays started for this trainer must reach its rendezvous store: do not pass store=")
+        return dict(
+            self._options,
+            token=self._token,
+            master_addr=self.master_addr,
+            master_port=self._store_port(),
+            heartbeat=self.heartbeat,
+            silence_timeout=self.silence_timeout,
+            backend=self.backend,
+        )
 
     def _resolve_token(self, store: Any, trainer: bool) -> bytes:
         if self._token is not None:
