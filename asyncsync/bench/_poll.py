@@ -66,21 +66,22 @@ async def poll_worker(worker_idx: int, scheme: Any, n_params: int, n_tensors: in
 
 @contextlib.contextmanager
 def recording_publishes() -> Iterator[dict[int, float]]:
-    """In this (the trainer's) process: ``{version: perf_counter}`` of each first mailbox write."""
-    from asyncsync._local._poll import Mailbox
+    """In this (the trainer's) process: ``{version: perf_counter}`` of each version's first
+    publication, stamped just before the mailbox's even sequence store makes it visible."""
+    from asyncsync._local import _poll
 
     published: dict[int, float] = {}
-    real = Mailbox.publish
+    clock = time.perf_counter
 
-    def publish(self: Mailbox, version: int, slot: int, skipped: int) -> None:
-        published.setdefault(version, time.perf_counter())
-        real(self, version, slot, skipped)
+    def stamp(version: int) -> None:
+        if version not in published:
+            published[version] = clock()
 
-    Mailbox.publish = publish  # type: ignore[method-assign]
+    _poll.on_publish = stamp
     try:
         yield published
     finally:
-        Mailbox.publish = real  # type: ignore[method-assign]
+        _poll.on_publish = None
 
 
 def publish_to_commit(published: dict[int, float], workers: list[dict[str, Any]], versions: list[int]) -> dict[str, float]:
