@@ -97,7 +97,9 @@ def _store(w: memoryview, base: int, fields: tuple[int, ...], stamp: Callable[[i
     seq = w[base] + 1
     w[base] = seq  # odd: being written
     fence()
-    for i, value in enumerate(fields, base + 1):
+    i = base
+    for value in fields:
+        i += 1
         w[i] = value
     fence()
     if stamp is not None:
@@ -111,7 +113,8 @@ def _load(w: memoryview, base: int, n: int, seq: int) -> tuple[int, tuple[int, .
     for _ in range(64):  # the writer is a few stores long: retry a few times
         if not seq & 1:
             fence()
-            fields = tuple(w[base + 1 : base + 1 + n])
+            # one load per word (a slice's copy is not promised to be word by word)
+            fields = (w[base + 1], w[base + 2], w[base + 3]) if n == 3 else (w[base + 1], w[base + 2], w[base + 3], w[base + 4])
             fence()
             again = w[base]
             if again == seq:

@@ -8,9 +8,11 @@ that makes it visible. ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared
 processes, so the difference is the publish-to-commit time: the worker noticing the
 version and committing it.
 
-When the machine has a CPU for the trainer and one for each worker (:func:`cpu_plan`),
-the trainer and the workers are pinned each to its own CPU (``os.sched_setaffinity``),
-so that a spinning worker runs on a core of its own; other processes may still run there.
+With ``ASYNCSYNC_BENCH_PIN=1`` in the environment, and a CPU for the trainer and one for
+each worker (:func:`cpu_plan`), the trainer and the workers are pinned each to its own CPU
+(``os.sched_setaffinity``), so that a spinning worker runs on a core of its own. Other
+processes may still run there: on a machine busier than its cores, pinning makes things
+worse (a pinned process cannot move to a CPU that frees up), hence off by default.
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ async def poll_worker(
 
 
 def cpu_plan(workers: int) -> list[int] | None:
-    """A CPU for the trainer (first) and one for each worker, if this process may use that
-    many; else None."""
+    """With ``ASYNCSYNC_BENCH_PIN=1``: a CPU for the trainer (first) and one for each worker,
+    if this process may use that many; else None."""
+    if os.environ.get("ASYNCSYNC_BENCH_PIN") != "1":
+        return None
     cpus = sorted(os.sched_getaffinity(0))
     return cpus[: workers + 1] if len(cpus) > workers else None
 
