@@ -151,7 +151,7 @@ def publish_to_commit(published: dict[int, float], workers: list[dict[str, Any]]
     total = sorted((c - published[v]) * 1e6 for v, _a, c, _b in rows)
 
     def pct(q: float) -> float:
-        return total[min(len(total) - 1, int(q * len(total)))]
+        return float(total[min(len(total) - 1, int(q * len(total)))])
 
     return {
         "publish_to_commit_us": statistics.median(total),

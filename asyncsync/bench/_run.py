@@ -32,7 +32,15 @@ from torch import nn
 from asyncsync.bench import _cpu
 from asyncsync.bench._echo import measure_echo
 from asyncsync.bench._floors import measure_floors
-from asyncsync.bench._poll import PUBLISH_KEYS, POLL_TRANSPORTS, cpu_plan, pinned, poll_worker, publish_to_commit, recording_publishes
+from asyncsync.bench._poll import (
+    POLL_TRANSPORTS,
+    PUBLISH_KEYS,
+    cpu_plan,
+    pinned,
+    poll_worker,
+    publish_to_commit,
+    recording_publishes,
+)
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = [
