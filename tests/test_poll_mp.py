@@ -358,3 +358,55 @@ def test_the_bench_measures_publish_to_commit_for_polled_workers() -> None:
     # every timed version was committed by a poll, after it was published (causal orders only)
     assert row["publish_to_poll_us"] <= row["publish_to_commit_us"] <= row["publish_to_commit_p90_us"]
     assert row["publish_to_commit_us"] > 0 and row["commit_poll_us"] > 0
+
+
+def _attached_poller(address: str, until: int, report: Any) -> None:
+    """A program asyncsync does not start: attaches by *address* as worker 0, polls until
+    its model runs version *until*, then reports the versions its polls committed."""
+
+    async def main() -> list[int]:
+        model = make_model()
+        scheme = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
+        scheme.init_on_receiver(model=model, poll=True)
+        committed: list[int] = []
+        async with scheme:
+            deadline = asyncio.get_running_loop().time() + START_S
+            while scheme.version < until and asyncio.get_running_loop().time() < deadline:
+                got = scheme.poll_nowait()
+                if got is not None:
+                    committed.append(got)
+                await asyncio.sleep(0.001)
+        return committed
+
+    report.send(asyncio.run(main()))
+    report.close()
+
+
+async def test_a_polled_worker_that_attaches_by_address_acks_through_shared_memory() -> None:
+    import multiprocessing as mp
+
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    address = await scheme.listen()
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_attached_poller, args=(str(address), 3, theirs))
+    process.start()
+    theirs.close()
+    try:
+        async with scheme:  # the program attached and applied version 0
+            for value in (1.0, 2.0, 3.0):
+                fill_(trainer, value)
+                await scheme.send()  # returns once its poll committed it and its ack came back
+            assert scheme.sender.applied_versions() == {0: 3}
+            assert scheme.sender._polled is not None and len(scheme.sender._polled.links) == 1  # on the shared wake
+            committed = await asyncio.wait_for(asyncio.to_thread(ours.recv), START_S)
+        assert committed == [1, 2, 3]
+        await asyncio.to_thread(process.join, START_S)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        ours.close()
