@@ -212,7 +212,8 @@ class Receiver:
         when nothing is new it costs a single memory load (no system call, no event-loop
         wake-up). When something is, it commits it as the receiver task would (atomic;
         a version the worker cannot apply is refused, the model keeps its weights and the
-        sender gets a :class:`WorkerError`), then acknowledges it. Call it between steps::
+        sender gets a :class:`WorkerError`), then acknowledges it in shared memory too (one
+        system call, the write that wakes the sender). Call it between steps::
 
             while running:
                 receiver.poll_nowait()          # maybe a new version; never blocks
@@ -381,11 +382,12 @@ class Receiver:
             elif isinstance(msg, MapSlots):
                 await self._staging.map_slots(msg, await self._queue.receive_fds(len(msg.slot_ids)))
             elif isinstance(msg, Mailbox):
-                (fd,) = await self._queue.receive_fds(1)
+                fd, wake_fd = await self._queue.receive_fds(2)  # the mailbox, the sender's wake
                 if not self.polled or self._mailbox is not None:
                     os.close(fd)
+                    os.close(wake_fd)
                     raise ProtocolError("Mailbox: this receiver did not ask for one" if not self.polled else "Mailbox: sent twice")
-                self._mailbox = _Mailbox.attach(fd, msg.nbytes)
+                self._mailbox = _Mailbox.attach(fd, msg.nbytes, wake_fd)
                 self._changed.notify()
             elif isinstance(msg, Receive) and i == newest:
                 await self._on_receive(msg, skipped)
@@ -488,6 +490,9 @@ class Receiver:
             self.last_error = ack.error
             logger.warning("worker %d rejected version %d: %s", self.worker_idx, ack.version, ack.error)
             self._changed.notify()
+        elif self._mailbox is not None:  # polled: in the mailbox, then one write of the sender's wake
+            self._mailbox.ack(ack.version, ack.holds, ack.stage_s, ack.commit_s)
+            return
         self._send(ack)
 
     def _send(self, msg: Ack | Staged | Bye) -> None:
