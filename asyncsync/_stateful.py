@@ -607,6 +607,14 @@ class ClusterMachine(RuleBasedStateMachine):
         got = w.scheme.poll_nowait()
         assert got is None or (got > before and w.scheme.version == got), (wid, before, got)
         assert got is None or wid not in self.frozen, f"worker {wid} committed version {got} after it stopped receiving"
+        if got is not None and isinstance(self.cluster, LocalCluster):
+            sender = self.cluster.scheme.sender
+
+            async def acked() -> None:  # its ack comes through the mailbox and the sender's wake
+                while sender.applied_versions()[wid] < got:
+                    await asyncio.sleep(0)
+
+            self.run(acked(), SETTLE)
 
     @rule(i=st.integers(0, 3), busy=st.booleans())
     def make_busy(self, i: int, busy: bool) -> None:

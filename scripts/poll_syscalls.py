@@ -7,8 +7,9 @@ receiver in one process (``asyncsync.testing.loopback_worker``), version 0 appli
 *polls* calls of ``receiver.poll_nowait()`` with nothing new, between two marker calls
 (``os.stat`` of paths that do not exist). It prints how many system calls each thread made
 between the markers, then does the same with one version sent before the polls, to show
-the cost of a poll that commits: its ack, one write. Without strace it counts the calls
-made through the receiver's socket object instead.
+the cost of a poll that commits: its ack goes into the mailbox's shared memory, then one
+``write`` of the sender's wake (an eventfd); nothing goes through the socket. Without
+strace it counts the calls made through the receiver's socket object instead.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
-"""Round trip of one weight update (send to ack), three ways, in one run:
+"""Round trip of one weight update (send to ack), three or four ways, in one run:
 
 - ``spawn``: the worker function started by ``spawn_workers``, ``await scheme.send()``;
 - ``asyncsync.ray``: the same function in Ray actors (``asyncsync.ray.start_workers``);
+- ``asyncsync.ray, other node`` (with ``--nodes``): the same actors on a second Ray node,
+  behind its relay actor (a ``DistributedWeightSyncScheme`` with one host, gloo);
 - ``ray-call``: a plain Ray actor, ``await actor.set_weights.remote(state_dict)`` (the
   weights travel through Ray's object store; the actor loads them into its model).
 
     python scripts/ray_bench.py                 # 2 workers, a 10k and a 4M-parameter model
     python scripts/ray_bench.py --workers 1 --repeats 50
+    python scripts/ray_bench.py --nodes         # a two-node Ray cluster on this machine
 
 Each way runs ``--rounds`` times in a rotating order (each time with fresh workers), and
 the table gives the median and p90 in ms over all its sends, per size and way, and each
@@ -18,14 +21,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import statistics
 import time
+from typing import Any
 
 import ray
 import torch
 from torch import nn
 
-from asyncsync import MultiProcessWeightSyncScheme, spawn_workers
+from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, spawn_workers
 from asyncsync.ray import start_workers
 
 SIZES = {"10k": (100, 100), "4M": (2000, 2000)}  # in_features, out_features of one Linear
@@ -59,7 +64,7 @@ class PlainActor:
         return self.version
 
 
-async def time_sends(scheme: MultiProcessWeightSyncScheme, model: nn.Module, repeats: int) -> list[float]:
+async def time_sends(scheme: MultiProcessWeightSyncScheme | DistributedWeightSyncScheme, model: nn.Module, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
         with torch.no_grad():
@@ -85,6 +90,27 @@ async def bench_asyncsync_ray(size: str, workers: int, repeats: int) -> list[flo
     scheme = MultiProcessWeightSyncScheme(timeout=120)
     scheme.init_on_sender(model=model, num_workers=workers)
     async with start_workers(worker, scheme, size, num_workers=workers):
+        async with scheme:
+            await time_sends(scheme, model, 3)
+            return await time_sends(scheme, model, repeats)
+
+
+def other_node() -> str:
+    here = ray.get_runtime_context().get_node_id()
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def bench_ray_other_node(size: str, workers: int, repeats: int) -> list[float]:
+    model = make_model(size)
+    scheme = DistributedWeightSyncScheme(timeout=120, master_addr=ray.util.get_node_ip_address(), master_port=free_port())
+    scheme.init_on_sender(model=model, hosts={1: workers})
+    async with start_workers(worker, scheme, size, nodes=[other_node()]):
         async with scheme:
             await time_sends(scheme, model, 3)
             return await time_sends(scheme, model, repeats)
@@ -123,11 +149,25 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3, help="each way runs this many times, in rotating order")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--nodes", action="store_true", help="a two-node Ray cluster on this machine: adds the other-node way")
     args = parser.parse_args()
-    ray.init(num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
+    cpus = max(2, args.workers)
+    cluster: Any = None
+    if args.nodes:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "include_dashboard": False})
+        cluster.add_node(num_cpus=cpus)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+    else:
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:
         rows = []
-        ways = {"spawn": bench_spawn, "asyncsync.ray": bench_asyncsync_ray, "ray-call": bench_ray_call}
+        ways: dict[str, Any] = {"spawn": bench_spawn, "asyncsync.ray": bench_asyncsync_ray}
+        if args.nodes:
+            ways["asyncsync.ray, other node"] = bench_ray_other_node
+        ways["ray-call"] = bench_ray_call
         for size in args.sizes:
             results: dict[str, list[float]] = {way: [] for way in ways}
             order = list(ways)
@@ -145,6 +185,8 @@ async def main() -> None:
         print("\n".join(rows))
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
 
 
 if __name__ == "__main__":

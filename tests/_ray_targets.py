@@ -1,11 +1,13 @@
-"""Worker functions for tests/test_ray.py (a module of their own: Ray actors import it by name)."""
+"""Worker functions for the Ray tests (a module of their own: Ray actors import it by name), and what they check."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from asyncsync import MultiProcessWeightSyncScheme
-from tests._targets import make_model
+from tests._targets import fill_, make_model
 
 
 async def recording_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> list[tuple[int, list[float]]]:
@@ -22,3 +24,25 @@ async def recording_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme
     async with scheme:
         await scheme.wait_stopped()
     return seen
+
+
+async def send_versions_then_a_burst(scheme: Any, model: torch.nn.Module) -> None:
+    """Versions 1-3 sent and awaited one by one (every worker applies each), then 4-11 in
+    a burst without waiting (a busy worker skips to the newest); each version's weights
+    all equal its number."""
+    for v in (1, 2, 3):
+        fill_(model, float(v))
+        assert await scheme.send() == v
+    for v in range(4, 12):
+        fill_(model, float(v))
+        await scheme.send_async()
+    await scheme.wait_async(11)
+
+
+def assert_versions_then_the_latest(results: dict[Any, list[tuple[int, list[float]]]]) -> None:
+    """What each :func:`recording_worker` of :func:`send_versions_then_a_burst` saw."""
+    for seen in results.values():
+        assert seen[:4] == [(v, [float(v)]) for v in range(4)]
+        versions = [v for v, _ in seen]
+        assert versions == sorted(set(versions)) and versions[-1] == 11
+        assert all(values == [float(v)] for v, values in seen), "each version's weights, exactly as sent"

@@ -10,6 +10,7 @@ os.environ.setdefault("ASYNCSYNC_DEBUG", "1")
 os.environ.setdefault("ASYNCSYNC_START_METHOD", "forkserver")
 
 import asyncio
+import faulthandler
 import multiprocessing as mp
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -61,6 +62,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.startswith(TENSORDICT_TESTS):
             item.add_marker(pytest.mark.tensordict)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test allowed longer than ``faulthandler_timeout`` (a long state machine) runs past
+    it by design: the watchdog would dump every thread's stack while they run, which can
+    crash the process (a SIGSEGV inside that dump was seen). Its own timeout guards it."""
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker is not None and marker.args else None
+    if isinstance(limit, (int, float)) and limit > float(item.config.getini("faulthandler_timeout") or 0):
+        faulthandler.cancel_dump_traceback_later()
 
 # ASYNCSYNC_TEST_LOOP=uvloop: every asyncio test (and fixture) runs on uvloop, and so do the
 # workers it spawns (spawn_workers follows the loop it is called from). CI runs a subset so.

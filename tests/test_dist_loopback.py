@@ -491,3 +491,26 @@ async def test_a_partial_update_is_whole_to_a_host_that_did_not_publish_its_base
         assert worker.version == v == 3
         assert trainer.statistics().last_send_bytes == trainer.statistics().buffer_bytes  # whole
         assert bool((local[0].bias == 0).all()) and bool((local[0].weight == 2.0).all()) and bool((local[2].bias == 2.0).all())
+
+
+class _Tied(torch.nn.Module):
+    """An embedding whose output head is the same Parameter (tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+async def test_tied_weights_reach_workers_through_a_relay() -> None:
+    # The relay's copy of its model keeps the tie, so its wire layout is the trainer's.
+    model = _Tied()
+    async with open_loopback_hosts(model, _Tied, timeout=30) as lh:
+        with torch.no_grad():
+            model.emb.weight.fill_(2.0)
+        assert await lh.trainer.send() == 1
+        worker_model = lh.models[1, 0]
+        assert worker_model.head.weight is worker_model.emb.weight
+        assert torch.equal(worker_model.emb.weight, torch.full((5, 3), 2.0))
+        assert lh.workers[1, 0].version == 1

@@ -1,11 +1,13 @@
 """Polled receivers (``init_on_receiver(..., poll=True)``), across real processes.
 
 The sender announces each version in the worker's shared-memory mailbox; the worker commits
-it at ``poll_nowait()``. An empty poll touches no socket (counted by a wrapper around the
-receiver's socket); every version sent with ``send()`` is committed by a poll, in order,
-and the newest wins; a version the worker cannot apply keeps its own weights and reaches
-the sender as a :class:`WorkerError`; a cancelled wait on the sender loses nothing; a
-polled worker that is killed is named at once.
+it at ``poll_nowait()`` and acks it there too, then writes the sender's wake (one eventfd
+for all its polled workers). An empty poll touches no socket (counted by a wrapper around
+the receiver's socket), nor does a poll that commits; every version sent with ``send()``
+is committed by a poll, in order, and the newest wins; a version the worker cannot apply
+keeps its own weights and reaches the sender as a :class:`WorkerError`; a cancelled wait
+on the sender loses nothing; the ack of a worker that leaves right after its commit is
+not lost; a polled worker that is killed is named at once.
 """
 
 from __future__ import annotations
@@ -91,6 +93,24 @@ async def polled_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, c
                     finally:
                         queue._sock = counter._sock
                     await q.put((sorted(results, key=repr), counter.calls, scheme.version))
+                elif cmd == "commit":  # the poll that commits the next version, its socket calls counted
+                    queue = scheme.receiver._queue._end
+                    while True:
+                        counter = _CountingSocket(queue._sock)
+                        queue._sock = counter  # type: ignore[assignment]
+                        try:
+                            got = scheme.poll_nowait()
+                        finally:
+                            queue._sock = counter._sock
+                        if got is not None:
+                            break
+                        await asyncio.sleep(0.001)  # its slot may still need mapping by the loop
+                    await q.put((got, counter.calls))
+                elif cmd == "commit-and-leave":  # commit, then end at once: no await between
+                    while (got := scheme.poll_nowait()) is None:
+                        await asyncio.sleep(0.001)
+                    committed.append(got)
+                    break
                 elif cmd == "poll":
                     polling.set()
                     await q.put("polling")
@@ -198,6 +218,48 @@ async def test_an_empty_poll_touches_no_socket_and_every_version_is_committed_by
         assert await workers.join(START_S) == {0: {"version": last}}
 
 
+def _eventfds() -> int:
+    """Eventfds open in this process."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    return n
+
+
+async def test_a_committing_poll_acks_without_the_socket_and_all_polled_workers_share_one_wake() -> None:
+    before = _eventfds()
+    async with _polled_cluster(["mlp", "mlp"]) as (trainer, scheme, qs, workers):
+        async with scheme:
+            assert _eventfds() == before + 1  # one wake for both polled workers
+            for value in (1.0, 2.0):
+                fill_(trainer, value)
+                version = await scheme.send_async()
+                for q in qs:
+                    got, socket_calls = await _ask(q, "commit")
+                    assert (got, socket_calls) == (version, 0)
+                await scheme.wait_async(version)  # the acks came through shared memory
+                assert scheme.sender.applied_versions() == {0: version, 1: version}
+            stats = scheme.statistics()
+            assert all(w.commit_ms > 0 for w in stats.workers)  # the ack words carry the timings
+            for q in qs:
+                await q.put(("exit",))
+        assert _eventfds() == before  # closed with the sender
+        await workers.join(START_S)
+
+
+async def test_the_ack_of_a_polled_worker_that_leaves_right_after_its_commit_is_not_lost() -> None:
+    async with _polled_cluster(["mlp"]) as (trainer, scheme, (q,), workers):
+        async with scheme:
+            fill_(trainer, 4.0)
+            version = await scheme.send_async()
+            await q.put(("commit-and-leave",))  # commits it, then closes: its Bye follows the ack
+            await scheme.sender.wait_dead(0, timeout=START_S)
+            assert scheme.statistics().worker(0).state == "left"
+            assert scheme.sender.applied_versions() == {0: version}
+        assert await workers.join(START_S) == {0: {"version": version}}
+
+
 async def test_a_version_the_polled_worker_cannot_apply_keeps_its_weights_and_raises_on_the_sender() -> None:
     # worker 1's model does not fit the sent layout
     async with _polled_cluster(["mlp", "wide"]) as (trainer, scheme, qs, workers):
@@ -296,3 +358,55 @@ def test_the_bench_measures_publish_to_commit_for_polled_workers() -> None:
     # every timed version was committed by a poll, after it was published (causal orders only)
     assert row["publish_to_poll_us"] <= row["publish_to_commit_us"] <= row["publish_to_commit_p90_us"]
     assert row["publish_to_commit_us"] > 0 and row["commit_poll_us"] > 0
+
+
+def _attached_poller(address: str, until: int, report: Any) -> None:
+    """A program asyncsync does not start: attaches by *address* as worker 0, polls until
+    its model runs version *until*, then reports the versions its polls committed."""
+
+    async def main() -> list[int]:
+        model = make_model()
+        scheme = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
+        scheme.init_on_receiver(model=model, poll=True)
+        committed: list[int] = []
+        async with scheme:
+            deadline = asyncio.get_running_loop().time() + START_S
+            while scheme.version < until and asyncio.get_running_loop().time() < deadline:
+                got = scheme.poll_nowait()
+                if got is not None:
+                    committed.append(got)
+                await asyncio.sleep(0.001)
+        return committed
+
+    report.send(asyncio.run(main()))
+    report.close()
+
+
+async def test_a_polled_worker_that_attaches_by_address_acks_through_shared_memory() -> None:
+    import multiprocessing as mp
+
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=START_S)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    address = await scheme.listen()
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_attached_poller, args=(str(address), 3, theirs))
+    process.start()
+    theirs.close()
+    try:
+        async with scheme:  # the program attached and applied version 0
+            for value in (1.0, 2.0, 3.0):
+                fill_(trainer, value)
+                await scheme.send()  # returns once its poll committed it and its ack came back
+            assert scheme.sender.applied_versions() == {0: 3}
+            assert scheme.sender._polled is not None and len(scheme.sender._polled.links) == 1  # on the shared wake
+            committed = await asyncio.wait_for(asyncio.to_thread(ours.recv), START_S)
+        assert committed == [1, 2, 3]
+        await asyncio.to_thread(process.join, START_S)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        ours.close()

@@ -17,7 +17,7 @@ import torch
 
 from asyncsync import MultiProcessWeightSyncScheme, WorkerDiedError
 from asyncsync.ray import start_workers
-from tests._ray_targets import recording_worker
+from tests._ray_targets import assert_versions_then_the_latest, recording_worker, send_versions_then_a_burst
 from tests._targets import fill_, make_model
 
 ray = pytest.importorskip("ray")  # only where CI installed the `ray` extra for this module
@@ -88,19 +88,9 @@ async def test_actors_receive_every_version_and_the_latest_wins() -> None:
     fill_(model, 0.0)
     async with start_workers(recording_worker, scheme, num_workers=2) as group:
         async with scheme:
-            for v in (1, 2, 3):  # sync sends: every worker applies every version
-                fill_(model, float(v))
-                await scheme.send()
-            for v in range(4, 12):  # a burst without waiting: a busy worker skips to the newest
-                fill_(model, float(v))
-                await scheme.send_async()
-            await scheme.wait_async(11)
+            await send_versions_then_a_burst(scheme, model)
     assert_exited(group.pids)
-    for seen in group.results.values():
-        assert seen[:4] == [(v, [float(v)]) for v in range(4)]
-        versions = [v for v, _ in seen]
-        assert versions == sorted(set(versions)) and versions[-1] == 11
-        assert all(values == [float(v)] for v, values in seen), "each version's weights, exactly as sent"
+    assert_versions_then_the_latest(group.results)
 
 
 async def test_a_killed_actor_is_named_and_its_replacement_gets_the_newest_version() -> None:

@@ -29,6 +29,7 @@ import datetime
 import logging
 import os
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -117,7 +118,16 @@ class SyncGroup:
         # A daemon thread of its own: a rendezvous left waiting for a dead member cannot be
         # interrupted (it ends at the store's timeout), and must not hold up the interpreter's
         # exit meanwhile. A group built after its caller left is dropped, off the loop.
-        pg = await _BUILDS.run(build, timeout=timeout, what=f"forming weight-sync group generation {generation}", discard=_drop_later)
+        try:
+            pg = await _BUILDS.run(build, timeout=timeout, what=f"forming weight-sync group generation {generation}", discard=_drop_later)
+        except BaseException as exc:
+            # The exception lives on wherever it is kept (a log record keeps its arguments,
+            # a caller may keep the error): its frames must not keep what a group that never
+            # formed opened, the store connection and the gloo device (a listener, an epoll,
+            # a pipe), open with it.
+            traceback.clear_frames(exc.__traceback__)
+            del base, prefixed, build
+            raise
         return cls(pg, generation, rank, size, chunk_bytes, timeout, device)
 
     def _chunks(self, buf: Buffer) -> list[torch.Tensor]:

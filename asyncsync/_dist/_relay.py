@@ -462,7 +462,7 @@ class Relay:
             await self._stream.aclose()
             self._stream = None
         group, self._group = self._group, None
-        self._store = None
+        self._store = self._store_job = None  # the job holds the store client too: its socket closes now
         if group is not None and not keep_group:
             group.close()
             group = None

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from .._core._layout import _storage_key
 from .._core._source import configured_source
 from .._core._strategy import Strategy, resolve_model, to_flat
 from .._errors import ClosedError
@@ -188,21 +189,43 @@ class DistributedWeightSyncScheme:
         timeout = datetime.timedelta(seconds=self.timeout if self.timeout is not None else 300.0)
         if self._user_store is not None:
             base = self._user_store
-        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+        elif self._agent_store():
             base = TCPStore(self.master_addr, self.master_port, None, False, timeout)
         else:
-            port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
-            base = TCPStore(self.master_addr, port, None, self.rank == 0, timeout, wait_for_workers=False)
+            base = TCPStore(self.master_addr, self._store_port(), None, self.rank == 0, timeout, wait_for_workers=False)
         self._store = PrefixStore("asyncsync/", base)
         return self._store
+
+    def _agent_store(self) -> bool:
+        return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None
+
+    def _store_port(self) -> int:
+        """The port of the rendezvous store on ``master_addr`` (unless one was passed as ``store=``)."""
+        if self._agent_store():
+            return self.master_port
+        return self._explicit_port if self._explicit_port is not None else self.master_port + 1
 
     def _store_name(self) -> str:
         if self._user_store is not None:
             return "the store passed as store="
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None:
+        if self._agent_store():
             return f"torchrun's agent store ({self.master_addr}:{self.master_port})"
-        port = self._explicit_port if self._explicit_port is not None else self.master_port + 1
-        return f"{self.master_addr}:{port}"
+        return f"{self.master_addr}:{self._store_port()}"
+
+    def _relay_kwargs(self) -> dict[str, Any]:
+        """The constructor's arguments for a relay of this trainer started elsewhere (a Ray
+        actor): the same options, this trainer's store given as an explicit address."""
+        if self._user_store is not None:
+            raise ValueError("relays started for this trainer must reach its rendezvous store: do not pass store=")
+        return dict(
+            self._options,
+            token=self._token,
+            master_addr=self.master_addr,
+            master_port=self._store_port(),
+            heartbeat=self.heartbeat,
+            silence_timeout=self.silence_timeout,
+            backend=self.backend,
+        )
 
     def _resolve_token(self, store: Any, trainer: bool) -> bytes:
         if self._token is not None:
@@ -294,7 +317,7 @@ class DistributedWeightSyncScheme:
             if model is None:
                 raise ValueError("the relay needs the model's architecture: pass model= or weights=")
         template = to_flat(model if model is not None else weights)
-        frozen = {k: t.detach().clone() for k, t in template.items()}  # the relay never reads it again
+        frozen = _frozen_copy(template)  # the relay never reads it again
         local = MultiProcessWeightSyncScheme(**self._options)
         local.init_on_sender(weights=frozen, num_workers=num_workers)
         self._local = local
@@ -523,3 +546,19 @@ class DistributedWeightSyncScheme:
 
 def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
     return scheme
+
+
+def _frozen_copy(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A detached copy of *flat* that keeps its ties: names of one tensor (tied weights)
+    stay names of one copy, so the relay's wire layout has the trainer's aliases."""
+    copies: dict[tuple[object, ...], torch.Tensor] = {}
+    frozen: dict[str, torch.Tensor] = {}
+    for k, t in flat.items():
+        key = _storage_key(t)
+        if key is None:
+            frozen[k] = t.detach().clone()
+        else:
+            if key not in copies:
+                copies[key] = t.detach().clone()
+            frozen[k] = copies[key]
+    return frozen

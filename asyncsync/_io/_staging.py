@@ -2,11 +2,13 @@
 
 CPU copies above a threshold run in the staging thread (torch releases the GIL while
 copying), under :mod:`asyncsync._core._offload`'s rule: a cancelled caller leaves at once,
-the copy runs to its end, the next one starts after it, and :meth:`Stager.close` waits
+the copy runs to its end, the next one starts after it, what the copy writes is released
+only when it has ended (the caller's *keep* / *release*), and :meth:`Stager.close` waits
 for it before anything it reads or writes is unregistered or unmapped.
 CUDA copies are issued non-blocking on a side stream (from page-locked memory when the
 source is registered with CUDA) and their completion is awaited by polling a CUDA event
-from the loop: the loop thread never calls ``torch.cuda.synchronize()``.
+from the loop: the loop thread never calls ``torch.cuda.synchronize()``. A cancelled
+caller leaves at once there too; *release* comes once the event has fired.
 """
 
 from __future__ import annotations
@@ -102,8 +104,19 @@ async def stream_done(stream: Any) -> None:
     which never synchronizes a stream."""
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(stream)
-    while not event.query():  # type: ignore[no-untyped-call]
+    await _event_done(event)
+
+
+async def _event_done(event: Any) -> None:
+    while not event.query():
         await asyncio.sleep(_POLL_S)
+
+
+async def _release_after(event: Any, release: Callable[[], None]) -> None:
+    try:
+        await _event_done(event)
+    finally:
+        release()
 
 
 class Stager:
@@ -114,20 +127,41 @@ class Stager:
         self._thread = Offload("asyncsync-stage")
         self._stream: torch.cuda.Stream | None = None
         self._registered: dict[int, int] = {}
+        self._finishing: set[asyncio.Task[None]] = set()  # device copies whose caller left
 
-    async def copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], nbytes: int, *, inference: bool = False) -> None:
+    async def copy(
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        nbytes: int,
+        *,
+        inference: bool = False,
+        keep: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         """Copy *src* into *dst* off the event loop; returns once the data is in place.
 
         *inference*: *dst* holds inference tensors, written only inside ``torch.inference_mode()``.
+        Cancelled before the copy ended, it calls *keep* at once and *release* on the loop
+        once the copy has ended (then *dst* and *src* may be reused or unmapped).
         """
         if self.device.type == "cuda":
-            await self._copy_cuda(dst, src, inference)
+            await self._copy_cuda(dst, src, inference, keep, release)
         else:
-            await self.run(nbytes, _copy_inference if inference else copy_tensors, dst, src)
+            await self.run(nbytes, _copy_inference if inference else copy_tensors, dst, src, keep=keep, release=release)
 
-    async def run(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)``: inline when small, in the staging thread when *nbytes* is large."""
-        return await self._thread.run(fn, *args, inline=nbytes < THREAD_BYTES)
+    async def run(
+        self,
+        nbytes: int,
+        fn: Callable[..., T],
+        *args: Any,
+        keep: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
+        discard: Callable[[T], None] | None = None,
+    ) -> T:
+        """``fn(*args)``: inline when small, in the staging thread when *nbytes* is large
+        (*keep*, *release*, *discard*: as for :meth:`Offload.run`)."""
+        return await self._thread.run(fn, *args, inline=nbytes < THREAD_BYTES, keep=keep, release=release, discard=discard)
 
     async def pin(self, buffer: torch.Tensor) -> None:
         """Page-lock a shared CPU buffer so host-to-device copies are truly asynchronous
@@ -152,7 +186,14 @@ class Stager:
             with torch.cuda.device(self.device):
                 cudart()[1](ptr)
 
-    async def _copy_cuda(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], inference: bool) -> None:
+    async def _copy_cuda(
+        self,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        inference: bool,
+        keep: Callable[[], None] | None,
+        release: Callable[[], None] | None,
+    ) -> None:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         stream = self._stream
@@ -160,7 +201,19 @@ class Stager:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode(inference):
             copy_tensors(dst, src, non_blocking=True)
-        await stream_done(stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        try:
+            await _event_done(event)
+        except BaseException:
+            if not event.query():  # type: ignore[no-untyped-call]  # the copy goes on without its caller: the Offload rule
+                if keep is not None:
+                    keep()
+                if release is not None:
+                    task = asyncio.get_running_loop().create_task(_release_after(event, release))
+                    self._finishing.add(task)
+                    task.add_done_callback(self._finishing.discard)
+            raise
 
     def close(self) -> None:
         self._thread.close()  # a copy or registration still running ends first

@@ -9,6 +9,11 @@ version (latest wins). A channel that ends (EOF, the process's sentinel, a malfo
 message) makes the worker dead or left, frees what it held, and opens the next channel
 for a replacement.
 
+A polled worker (one that sent ``Poll``) gets a mailbox in shared memory instead: its
+versions are written there, and it writes its acks of applied versions there too, then
+the sender's one wake (an eventfd) for all polled workers: :class:`_PolledAcks` reads the
+wake once and takes every polled worker's new ack in one pass (see ``_poll``).
+
 :class:`LinkTable` is the half of :class:`~._sender.Sender` that does this; the sender
 holds the state it reads (declared below).
 """
@@ -20,6 +25,7 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -33,7 +39,7 @@ from .._io._framing import HEADER
 from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
 from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Staged, decode, encode
-from ._poll import MAILBOX_BYTES
+from ._poll import MAILBOX_BYTES, Wake
 from ._poll import Mailbox as _Mailbox
 
 __all__ = ["LinkTable", "SenderObserver"]
@@ -56,9 +62,13 @@ class _Link:
         self.lost = False
         self.tasks: list[asyncio.Task[None]] = []
         self.mailbox: _Mailbox | None = None  # a polled worker's: versions go there, not as Receive
+        self.polled: _PolledAcks | None = None  # the wake that scans its mailbox's acks
 
     def close_mailbox(self) -> None:
         if self.mailbox is not None:
+            if self.polled is not None:
+                self.polled.remove(self)
+                self.polled = None
             self.mailbox.close()
             self.mailbox = None
 
@@ -76,6 +86,59 @@ class _Worker(WorkerRecord):
         self.sends = 0  # versions published to this worker id
         self.process: Any = None
         self.sentinel: int | None = None
+
+
+class _PolledAcks:
+    """The sender's wake for its polled workers and the links it scans: one read of the
+    eventfd, then every polled link's ack words (opened with the first polled link,
+    closed with the last)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_ack: _OnAck, on_broken: Callable[[_Worker, _Link, Exception], None]) -> None:
+        self.wake = Wake()
+        self._loop = loop
+        self._on_ack = on_ack  # the table's, as for an Ack message
+        self._on_broken = on_broken  # handling an ack failed: as for a message, the channel is cut
+        self.links: dict[_Link, _Worker] = {}
+        assert self.wake.fd is not None
+        loop.add_reader(self.wake.fd, self.scan)
+
+    @property
+    def closed(self) -> bool:
+        return self.wake.fd is None
+
+    def add(self, w: _Worker, link: _Link) -> None:
+        self.links[link] = w
+        link.polled = self
+
+    def remove(self, link: _Link) -> None:
+        self.links.pop(link, None)
+        if not self.links and self.wake.fd is not None:
+            self._loop.remove_reader(self.wake.fd)
+            self.wake.close()
+
+    def scan(self) -> None:
+        """The wake rang: take every polled link's new ack (a link of a worker that is
+        being lost is taken by its drain)."""
+        self.wake.clear()
+        for link, w in list(self.links.items()):
+            if link is w.link and not link.lost:
+                try:
+                    take_ack(w, link, self._on_ack)
+                except Exception as exc:  # (a bug): the other links are still scanned
+                    link.close_mailbox()
+                    self._on_broken(w, link, exc)
+
+
+_OnAck = Callable[[_Worker, _Link, Ack], None]
+
+
+def take_ack(w: _Worker, link: _Link, on_ack: _OnAck) -> None:
+    """Hand *link*'s new ack in its mailbox, if any, to *on_ack* as an ``Ack`` message."""
+    mailbox = link.mailbox
+    got = mailbox.take_ack() if mailbox is not None else None
+    if got is not None:
+        version, holds, stage_s, commit_s = got
+        on_ack(w, link, Ack(w.idx, version, True, None, holds, stage_s, commit_s))
 
 
 class SenderObserver(Protocol):
@@ -108,6 +171,7 @@ class LinkTable:
     _ctx: mp.context.BaseContext
     _setup_frames: dict[int, bytes]
     _observer: SenderObserver | None
+    _polled: _PolledAcks | None = None  # made with the first polled link
 
     def _new_link(self, w: _Worker) -> _Link:
         ours, theirs = self._ctx.Pipe(duplex=True)
@@ -137,6 +201,7 @@ class LinkTable:
         w = self._workers[idx]
         old = w.link
         if old is not None:
+            old.close_mailbox()
             old.queue._unlisten()
             for t in old.tasks:
                 t.cancel()
@@ -191,22 +256,26 @@ class LinkTable:
             if not slot.transient:
                 link.mapped.add(slot.id)
 
-    def _on_poll(self, link: _Link) -> None:
-        """The worker polls: give it a mailbox, and the reusable slots mapped up front (so
-        its polls rarely wait for its loop to map one)."""
+    def _on_poll(self, w: _Worker, link: _Link) -> None:
+        """The worker polls: give it a mailbox and the group's wake, and the reusable slots
+        mapped up front (so its polls rarely wait for its loop to map one)."""
         if link.mailbox is not None:
             raise ProtocolError("Poll: sent twice on one connection")
         try:
             self._map_slots(link, [s for s in self._pool.slots.values() if not s.transient and s.id not in link.mapped])
+            polled = self._polled
+            if polled is None or polled.closed:
+                polled = self._polled = _PolledAcks(asyncio.get_running_loop(), self._on_ack, self._on_channel_end)
             mailbox = _Mailbox.create()
+            link.mailbox = mailbox
+            polled.add(w, link)
             try:
                 link.queue.put_bytes_nowait(encode(Mailbox(MAILBOX_BYTES)))
-                link.queue.send_fds([mailbox.fd])
+                link.queue.send_fds([mailbox.fd, polled.wake.fd])  # type: ignore[list-item]
             except BaseException:
-                mailbox.close()
+                link.close_mailbox()
                 raise
             mailbox.segment.close_fd()  # the worker holds its own copy now
-            link.mailbox = mailbox
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the channel's end is noticed by its reader callback, which reports it
 
@@ -249,12 +318,13 @@ class LinkTable:
         elif isinstance(msg, Bye):
             link.bye = msg
         elif isinstance(msg, Poll):
-            self._on_poll(link)
+            self._on_poll(w, link)
         else:
             raise ProtocolError(f"{type(msg).__name__}: a worker never sends this message")
 
     def _drain(self, w: _Worker, link: _Link) -> None:
         """Read what the worker said before it went (its last acks, its ``Bye``)."""
+        take_ack(w, link, self._on_ack)  # written before anything it said after it
         try:
             while True:
                 self._dispatch(w, link, decode(link.queue.get_bytes_nowait()))

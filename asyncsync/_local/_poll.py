@@ -1,22 +1,33 @@
-"""A polled worker's mailbox: the newest version sent to it, in a version word in shared memory.
+"""A polled worker's mailbox: the newest version sent to it, and the worker's ack, in
+version words in shared memory; and the wake that tells the sender an ack is there.
 
-The sender writes ``(version, slot, skipped)`` into a 64-byte memfd segment of the
+The sender writes ``(version, slot, skipped)`` into a 128-byte memfd segment of the
 worker's connection instead of sending a ``Receive``; the worker reads it between two
 steps (:meth:`Receiver.poll_nowait`) with no system call. Ownership is as for ``Receive``:
 the mailbox names the one version in flight to this worker, written only once the
-previous one was answered, and its slot stays held until the worker's ``Ack``.
+previous one was answered, and its slot stays held until the worker's ack.
+
+The worker writes the ack of a version it applied into the mailbox's second cache line,
+then writes the :class:`Wake`, one eventfd shared by every polled worker of the sender.
+The sender's loop reads the wake once and then scans the ack words of every polled
+worker: one wake-up for many acks, no message. Rejections, ``Bye`` and liveness (EOF)
+stay on the socket; a version is only published after the previous one was answered, so
+an ack word is never overwritten before the sender read it.
 
 Words (native int64, 8-byte aligned in a page-aligned mapping)::
 
-    [0] sequence: even when stable, odd while the sender writes
-    [1] version   [2] slot id   [3] versions skipped (latest wins)
+    sender -> worker, line 0: [0] sequence  [1] version  [2] slot id  [3] versions skipped
+    worker -> sender, line 1: [8] sequence  [9] version  [10] slot it runs from (-1: its
+                              own memory)  [11] staging ns  [12] commit ns
 
-It is a seqlock with one writer (the sender's event loop) and one reader (the worker).
-The writer makes the sequence odd, writes the fields, then makes it even (written last);
-the reader reads the sequence, the fields, then the sequence again, and keeps the fields
-only if both reads are the same even number. Each word is one aligned 8-byte load or
-store (``memoryview`` of format ``q`` copies the 8 bytes with one instruction on x86-64
-and AArch64, where such an access is single-copy atomic), so no word is ever torn.
+Each line is a seqlock with one writer (the sender's event loop for line 0, the worker
+for line 1) and one reader. The writer makes the sequence odd, writes the fields, then
+makes it even (written last); the reader reads the sequence, the fields, then the
+sequence again, and keeps the fields only if both reads are the same even number. Each
+word is one aligned 8-byte load or store (``memoryview`` of format ``q`` copies the 8
+bytes with one instruction on x86-64 and AArch64, where such an access is single-copy
+atomic), so no word is ever torn. The two lines are written by different processes and
+never share a cache line.
 
 Memory order: the slot's bytes (written by the sender's copy) must be visible before the
 sequence that announces them, and the worker must read the slot only after it saw that
@@ -26,23 +37,34 @@ reorder both: there :func:`fence` is a full barrier (C11 ``atomic_thread_fence``
 through libatomic), issued by the writer between the odd store, the fields and the even
 store, and by the reader between its three reads. An empty poll (the sequence is the one
 already seen) is a single load with no barrier: at worst it sees a new version one poll
-late.
+late. The wake needs no fence: the worker's ``write`` to the eventfd follows its even
+store, the sender's scan follows its ``read`` of the eventfd, and a system call orders
+the memory accesses around it. A wake is never lost: an ack written after the sender's
+read is followed by its own write, which makes the eventfd readable again; a scan that
+finds a line being written skips it, and that write's wake comes next.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 import threading
 from collections.abc import Callable
 
 from .._io._shm import Segment
 
-__all__ = ["MAILBOX_BYTES", "Mailbox", "fence"]
+__all__ = ["MAILBOX_BYTES", "Mailbox", "Wake", "fence"]
 
-MAILBOX_BYTES = 64  # one cache line
-_SEQ, _VERSION, _SLOT, _SKIPPED = range(4)
+MAILBOX_BYTES = 128  # two cache lines: one per writer
+_SEQ = 0  # the sender's line: sequence, version, slot, skipped
+_ACK = 8  # the worker's line: sequence, version, holds, stage ns, commit ns
+_ACK_FIELDS = 4
+
+#: Called with the version just before the sequence that publishes it is stored (the
+#: bench's publish-to-commit clock); None outside the bench.
+on_publish: Callable[[int], None] | None = None
 
 
 def _make_fence() -> Callable[[], None]:
@@ -69,25 +91,98 @@ def _make_fence() -> Callable[[], None]:
 fence: Callable[[], None] = _make_fence()
 
 
-class Mailbox:
-    """One connection's version word; made by the sender, mapped by the worker (:meth:`attach`)."""
+def _store(w: memoryview, base: int, fields: tuple[int, ...], stamp: Callable[[int], None] | None = None) -> None:
+    """Seqlock writer: the line at *base* gets *fields* after its sequence (*stamp* is
+    called with the first field just before the even store)."""
+    seq = w[base] + 1
+    w[base] = seq  # odd: being written
+    fence()
+    i = base
+    for value in fields:
+        i += 1
+        w[i] = value
+    fence()
+    if stamp is not None:
+        stamp(fields[0])
+    w[base] = seq + 1  # even, and last
 
-    def __init__(self, segment: Segment) -> None:
+
+def _load(w: memoryview, base: int, n: int, seq: int) -> tuple[int, tuple[int, ...]] | None:
+    """Seqlock reader: ``(sequence, fields)`` of the line at *base*, whose sequence was
+    just read as *seq*; None while it is being written (the next read sees it)."""
+    for _ in range(64):  # the writer is a few stores long: retry a few times
+        if not seq & 1:
+            fence()
+            # one load per word (a slice's copy is not promised to be word by word)
+            fields = (w[base + 1], w[base + 2], w[base + 3]) if n == 3 else (w[base + 1], w[base + 2], w[base + 3], w[base + 4])
+            fence()
+            again = w[base]
+            if again == seq:
+                return seq, fields
+            seq = again
+        else:
+            seq = w[base]
+    return None
+
+
+class Wake:
+    """One eventfd shared by a sender's polled workers: each writes it after an ack in its
+    mailbox; the sender's loop reads it once, then scans every mailbox's ack words."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd: int | None = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if fd is None else fd
+
+    def ring(self) -> None:
+        """Worker: an ack is in the mailbox (one system call)."""
+        if self.fd is not None:
+            try:
+                os.eventfd_write(self.fd, 1)
+            except OSError:
+                pass  # cannot overflow while the sender reads it; the sender gone: nobody to tell
+
+    def clear(self) -> None:
+        """Sender: take every ring so far (before the scan)."""
+        if self.fd is not None:
+            try:
+                os.eventfd_read(self.fd)
+            except BlockingIOError:
+                pass  # read already (a spurious readiness)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Mailbox:
+    """One connection's version and ack words; made by the sender, mapped by the worker (:meth:`attach`)."""
+
+    def __init__(self, segment: Segment, wake: Wake | None = None) -> None:
         self.segment = segment
         mm = segment._mmap
         assert mm is not None
         self._words: memoryview | None = memoryview(mm).cast("B").cast("q")
-        self.seen = 0  # reader: the sequence of the last version taken
+        self.wake = wake  # the worker's copy of the group's wake (None: the sender's side)
+        self.seen = 0  # reader of line 0 (worker): the sequence of the last version taken
+        self.acked = 0  # reader of line 1 (sender): the sequence of the last ack taken
 
     @classmethod
     def create(cls) -> Mailbox:
         return cls(Segment(MAILBOX_BYTES))
 
     @classmethod
-    def attach(cls, fd: int, nbytes: int) -> Mailbox:
+    def attach(cls, fd: int, nbytes: int, wake_fd: int) -> Mailbox:
+        """Worker: map the mailbox *fd*; *wake_fd* is the group's wake (both are kept)."""
+        wake = Wake(wake_fd)
         if nbytes < MAILBOX_BYTES:
+            os.close(fd)
+            wake.close()
             raise ValueError(f"a mailbox needs {MAILBOX_BYTES} bytes, got {nbytes}")
-        return cls(Segment.attach(fd, nbytes))
+        try:
+            return cls(Segment.attach(fd, nbytes), wake)
+        except BaseException:
+            wake.close()
+            raise
 
     @property
     def fd(self) -> int:
@@ -95,46 +190,60 @@ class Mailbox:
         return self.segment.fd
 
     def publish(self, version: int, slot: int, skipped: int) -> None:
-        """Writer: announce *version* in *slot* (its bytes are complete)."""
+        """Sender: announce *version* in *slot* (its bytes are complete)."""
         w = self._words
         if w is None:
             return  # closed: the connection is gone
-        seq = w[_SEQ] + 1
-        w[_SEQ] = seq  # odd: being written
-        fence()
-        w[_VERSION] = version
-        w[_SLOT] = slot
-        w[_SKIPPED] = skipped
-        fence()
-        w[_SEQ] = seq + 1  # even, and last
+        _store(w, _SEQ, (version, slot, skipped), on_publish)
 
     def peek(self) -> tuple[int, int, int, int] | None:
-        """Reader: ``(sequence, version, slot, skipped)`` if something new was published since
-        :attr:`seen`, else None (a single load). Call :meth:`take` once it is applied."""
+        """Worker: ``(sequence, version, slot, skipped)`` if something new was published
+        since :attr:`seen`, else None (a single load). Call :meth:`take` once it is applied."""
         w = self._words
         if w is None:
             return None
         seq = w[_SEQ]
         if seq == self.seen:
             return None  # the empty poll: no barrier, no system call
-        for _ in range(64):  # the writer is a few stores long: retry a few times
-            if not seq & 1:
-                fence()
-                version, slot, skipped = w[_VERSION], w[_SLOT], w[_SKIPPED]
-                fence()
-                again = w[_SEQ]
-                if again == seq:
-                    return seq, version, slot, skipped
-                seq = again
-            else:
-                seq = w[_SEQ]
-        return None  # still being written: the next poll sees it
+        got = _load(w, _SEQ, 3, seq)
+        if got is None:
+            return None  # still being written: the next poll sees it
+        seq, (version, slot, skipped) = got
+        return seq, version, slot, skipped
 
     def take(self, seq: int) -> None:
         self.seen = seq
+
+    def ack(self, version: int, holds: int | None, stage_s: float, commit_s: float) -> None:
+        """Worker: *version* is applied (the model runs from slot *holds*, or its own
+        memory); tell the sender through the ack words and the group's wake."""
+        w = self._words
+        if w is None:
+            return
+        _store(w, _ACK, (version, -1 if holds is None else holds, int(stage_s * 1e9), int(commit_s * 1e9)))
+        if self.wake is not None:
+            self.wake.ring()
+
+    def take_ack(self) -> tuple[int, int | None, float, float] | None:
+        """Sender: ``(version, holds, stage_s, commit_s)`` of an ack written since the last
+        one taken, else None."""
+        w = self._words
+        if w is None:
+            return None
+        seq = w[_ACK]
+        if seq == self.acked:
+            return None
+        got = _load(w, _ACK, _ACK_FIELDS, seq)
+        if got is None:
+            return None  # being written: its wake follows
+        self.acked, (version, holds, stage_ns, commit_ns) = got
+        return version, None if holds < 0 else holds, stage_ns / 1e9, commit_ns / 1e9
 
     def close(self) -> None:
         if self._words is not None:
             self._words.release()  # before the mapping goes
             self._words = None
         self.segment.close(unmap=True)
+        if self.wake is not None:
+            self.wake.close()
+            self.wake = None

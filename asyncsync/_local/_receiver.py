@@ -1,9 +1,10 @@
 """The receiver: a task in the worker's own event loop that stages and commits weights.
 
 Per instruction: take the ``Receive`` (the sender keeps at most one outstanding and sends
-the newest next), stage its weights on the worker's device off the loop, then commit in
-one step between two awaits (a pointer swap or an in-place copy), then acknowledge. A
-forward pass that does not await in the middle therefore never sees two versions mixed.
+the newest next), stage its weights on the worker's device off the loop
+(:class:`~._stage.SlotStaging`), then commit in one step between two awaits (a pointer
+swap or an in-place copy, :class:`~._commit.Committer`), then acknowledge. A forward pass
+that does not await in the middle therefore never sees two versions mixed.
 Which tensors are live, pending or being staged is kept by :class:`~._ownership.BufferRoles`:
 a set is never two of these at once, so staging never writes what the model runs or what
 waits for ``commit()``. When the receiver ends, for any reason, weights that view a shared
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import warnings
 from multiprocessing.connection import Connection
 from typing import Any, Literal
@@ -29,8 +29,6 @@ from .._core._signal import Signal
 from .._core._strategy import Strategy
 from .._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from .._io._queues import AsyncQueue
-from .._io._shm import Segment
-from .._io._staging import Stager, copy_tensors
 from .._options import DEFAULT, UseDefault, resolve_timeout
 from .._stats import ReceiverStatistics
 from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Setup, Staged, Stop, decode, encode
@@ -38,7 +36,7 @@ from ._bucket import SlotBucket
 from ._commit import Commit, Committer, OnUpdate, bind_model
 from ._faults import installed as _installed_faults
 from ._poll import Mailbox as _Mailbox
-from ._slotmap import SlotMap, check_segments
+from ._stage import SlotStaging
 
 __all__ = ["Commit", "CommitMode", "OnUpdate", "Receiver"]
 
@@ -95,15 +93,11 @@ class Receiver:
         self.polled = poll
         self._device_override = torch.device(device) if device is not None else None
         self._queue: AsyncQueue[Any] = AsyncQueue(conn)
-        self._slots = SlotMap()
+        self._staging = SlotStaging(worker_idx)
+        self._slots = self._staging.slots
         self._committer = Committer(worker_idx, commit, strategy, context, on_update)
         self._mailbox: _Mailbox | None = None  # poll=True: where the sender announces versions
-        self._layout: Layout | None = None
-        self._layout_error: str | None = None
         self._roles: BufferRoles | None = None
-        self._reads_slot = False
-        self._device = torch.device("cpu")
-        self._stager: Stager | None = None
         self._updates = 0
         self._skipped = 0
         self._rejected = 0
@@ -157,7 +151,11 @@ class Receiver:
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._staging.device
+
+    @property
+    def _layout(self) -> Layout | None:
+        return self._staging.layout
 
     async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Start the receiver task; return once the initial weights are applied."""
@@ -214,7 +212,8 @@ class Receiver:
         when nothing is new it costs a single memory load (no system call, no event-loop
         wake-up). When something is, it commits it as the receiver task would (atomic;
         a version the worker cannot apply is refused, the model keeps its weights and the
-        sender gets a :class:`WorkerError`), then acknowledges it. Call it between steps::
+        sender gets a :class:`WorkerError`), then acknowledges it in shared memory too (one
+        system call, the write that wakes the sender). Call it between steps::
 
             while running:
                 receiver.poll_nowait()          # maybe a new version; never blocks
@@ -235,7 +234,7 @@ class Receiver:
         seq, version, slot, skipped = news
         if self._released or (self._faults is not None and not self._faults.idle):
             return None  # ended; or a test's fault holds updates (they go through the task)
-        if self._roles is not None and self._layout_error is None and (self._slots.get(slot) is None or self._roles.staging is not None):
+        if self._staging.waits_for(slot):
             return None  # its segment is not mapped yet (the receiver task does that next)
         mailbox.take(seq)
         msg = Receive(version, slot, skipped)
@@ -284,6 +283,7 @@ class Receiver:
             task.cancel()
             await asyncio.wait([task])
         self._release("the worker closed its receiver")
+        await self._staging.wait_closed()  # a staging copy cut short ends first, off the loop
         await self._committer.aclose()
 
     async def _kill(self) -> None:
@@ -380,17 +380,14 @@ class Receiver:
             if isinstance(msg, Setup):
                 self._on_setup(msg)
             elif isinstance(msg, MapSlots):
-                fds = await self._queue.receive_fds(len(msg.slot_ids))
-                check_segments(msg, fds)
-                for sid, nbytes, fd in zip(msg.slot_ids, msg.nbytes, fds):
-                    # Mapping pre-faults every page: off the loop for large slots.
-                    self._slots.add(sid, await self._get_stager().run(nbytes, Segment.attach, fd, nbytes), msg.transient)
+                await self._staging.map_slots(msg, await self._queue.receive_fds(len(msg.slot_ids)))
             elif isinstance(msg, Mailbox):
-                (fd,) = await self._queue.receive_fds(1)
+                fd, wake_fd = await self._queue.receive_fds(2)  # the mailbox, the sender's wake
                 if not self.polled or self._mailbox is not None:
                     os.close(fd)
+                    os.close(wake_fd)
                     raise ProtocolError("Mailbox: this receiver did not ask for one" if not self.polled else "Mailbox: sent twice")
-                self._mailbox = _Mailbox.attach(fd, msg.nbytes)
+                self._mailbox = _Mailbox.attach(fd, msg.nbytes, wake_fd)
                 self._changed.notify()
             elif isinstance(msg, Receive) and i == newest:
                 await self._on_receive(msg, skipped)
@@ -401,40 +398,18 @@ class Receiver:
         return False
 
     def _on_setup(self, msg: Setup) -> None:
-        self._layout = msg.layout
-        self._layout_error = None
-        self._slots.forget_views()
         if self.model is None:
-            self._layout_error = "the worker has no model to apply weights to"
+            self._staging.bind(msg.layout, "the worker has no model to apply weights to", self._version)
             return
         device = self._device_override or (torch.device(msg.device) if msg.device else None)
         bound = bind_model(self.model, msg.layout, device, self.commit_kind)
+        roles = self._staging.bind(msg.layout, bound, self._version)
         if isinstance(bound, str):
-            self._layout_error = bound
             return
-        self._device = bound.device
-        self._reads_slot = bound.reads_slot
         usable = bound.reads_slot and self.commit_kind == "swap" and SlotBucket.usable(msg.layout, bound.targets.values())
         bucket = SlotBucket(msg.layout, list(bound.targets.values())) if usable else None
         self._committer.bind(bound.targets, bound.inference, bucket, self._slots.segments)
-        live = Weights(self._version, {k: t.data for k, t in bound.targets.items()})
-        self._roles = BufferRoles(live, self._allocate_set, keep_free=bound.recyclable)
-
-    def _allocate_set(self) -> dict[str, torch.Tensor]:
-        """A private set of device buffers shaped like the model (inference tensors where
-        the model's are)."""
-        targets = self._committer.targets
-        out = {k: torch.empty_like(t, device=self._device) for k, t in targets.items() if not t.is_inference()}
-        if len(out) < len(targets):
-            with torch.inference_mode():
-                out.update({k: torch.empty_like(t, device=self._device) for k, t in targets.items() if t.is_inference()})
-            out = {k: out[k] for k in targets}
-        return out
-
-    def _get_stager(self) -> Stager:
-        if self._stager is None:
-            self._stager = Stager(self._device)  # Setup, which fixes the device, comes first
-        return self._stager
+        self._roles = roles
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
         if self._faults is not None:  # a test's fault: hold the update, or refuse it
@@ -442,75 +417,30 @@ class Receiver:
             if refusal is not None:
                 self._reject(msg, refusal)
                 return
-        if self._receive_now(msg, skipped):
-            return
-        assert self._layout is not None and self._roles is not None
-        roles = self._roles
-        seg = self._slots.segments[msg.slot]
-        views = self._slots.views(msg.slot, self._layout)
-        t0 = time.perf_counter()
-        staging = roles.begin_staging(msg.version)
-        done = False
-        failure = ""
-        try:
-            stager = self._get_stager()
-            keys = list(views)
-            await stager.pin(seg.buf)
-            await stager.copy([staging.tensors[k] for k in keys], [views[k] for k in keys], self._layout.nbytes, inference=self._committer.inference)
-            done = True
-        except Exception as exc:  # only private buffers were written: the model is untouched
-            failure = self._staging_failed(msg, exc)
-        finally:
-            staged = roles.end_staging(done)  # (cancelled: the set is freed, and nothing is said)
-        self._staged(msg, staged, failure, t0, msg.skipped + skipped)
+        if not self._receive_now(msg, skipped):
+            self._staged(msg, await self._staging.stage(msg), msg.skipped + skipped)
 
     def _stage_now(self, msg: Receive) -> None:
-        """:meth:`_on_receive`'s staging without awaiting (a poll): copy the slot into a
-        private set on this thread, then commit it."""
-        assert self._layout is not None and self._roles is not None
-        roles = self._roles
-        views = self._slots.views(msg.slot, self._layout)
-        t0 = time.perf_counter()
-        staging = roles.begin_staging(msg.version)
-        done = False
-        failure = ""
-        try:
-            keys = list(views)
-            with torch.inference_mode(self._committer.inference):
-                copy_tensors([staging.tensors[k] for k in keys], [views[k] for k in keys])
-            if self._device.type == "cuda":
-                torch.cuda.current_stream(self._device).synchronize()
-            done = True
-        except Exception as exc:  # only a private set was written: the model is untouched
-            failure = self._staging_failed(msg, exc)
-        finally:
-            staged = roles.end_staging(done)
-        self._staged(msg, staged, failure, t0, msg.skipped)
+        """:meth:`_on_receive`'s staging without awaiting (a poll), then the commit."""
+        self._staged(msg, self._staging.stage_now(msg), msg.skipped)
 
-    def _staging_failed(self, msg: Receive, exc: Exception) -> str:
-        logger.error("worker %d: staging version %d failed", self.worker_idx, msg.version, exc_info=exc)
-        return f"staging failed: {type(exc).__name__}: {exc}"
-
-    def _staged(self, msg: Receive, staged: Weights | None, failure: str, t0: float, skipped: int) -> None:
-        """Staging ended: apply what it staged, or refuse *msg* (the set was freed)."""
-        if staged is None:
-            self._reject(msg, failure)
-            return
-        staged.stage_s = time.perf_counter() - t0
-        self._apply(staged, skipped)
+    def _staged(self, msg: Receive, staged: Weights | str, skipped: int) -> None:
+        """Staging ended: apply what it staged, or refuse *msg* with why it could not."""
+        if isinstance(staged, str):
+            self._reject(msg, staged)
+        else:
+            self._apply(staged, skipped)
 
     def _receive_now(self, msg: Receive, skipped: int) -> bool:
         """Handle *msg* without awaiting if it can be (a refusal, or weights read straight
         from the slot); False if it needs staging first."""
-        seg = self._slots.get(msg.slot)
-        refusal = self._refusal(msg, seg)
+        refusal = self._staging.refusal(msg)
         if refusal is not None:
             self._reject(msg, refusal)
             return True
-        if not self._reads_slot:
+        if not self._staging.reads_slot:
             return False
-        assert self._layout is not None
-        self._apply(Weights(msg.version, self._slots.views(msg.slot, self._layout), msg.slot), msg.skipped + skipped)
+        self._apply(self._staging.from_slot(msg), msg.skipped + skipped)
         return True
 
     def _reject(self, msg: Receive, error: str) -> None:
@@ -533,16 +463,6 @@ class Receiver:
         if self._slots.transient:
             self._release_transient()
 
-    def _refusal(self, msg: Receive, seg: Segment | None) -> str | None:
-        """Why this worker cannot apply *msg* (it then keeps its weights), or None."""
-        if self._layout is None or self._layout_error is not None or self._roles is None:
-            return self._layout_error or "no layout received"
-        if seg is None:
-            return f"slot {msg.slot} was never mapped"
-        if seg.nbytes < self._layout.nbytes:
-            return f"slot {msg.slot} holds {seg.nbytes} bytes, the layout needs {self._layout.nbytes}"
-        return None
-
     def _commit(self, staged: Weights) -> bool:
         """Make *staged* what the model runs, and acknowledge it; False if it could not be
         (then the sender gets the reason)."""
@@ -562,8 +482,7 @@ class Receiver:
         return True
 
     def _release_transient(self) -> None:
-        live = self._roles.views_slot() if self._roles is not None else set()
-        self._slots.release_transient(live, self._stager.unpin if self._stager is not None else None)
+        self._staging.release_transient(self._roles.views_slot() if self._roles is not None else set())
 
     def _ack(self, ack: Ack) -> None:
         self._responded = max(self._responded, ack.version)
@@ -571,6 +490,9 @@ class Receiver:
             self.last_error = ack.error
             logger.warning("worker %d rejected version %d: %s", self.worker_idx, ack.version, ack.error)
             self._changed.notify()
+        elif self._mailbox is not None:  # polled: in the mailbox, then one write of the sender's wake
+            self._mailbox.ack(ack.version, ack.holds, ack.stage_s, ack.commit_s)
+            return
         self._send(ack)
 
     def _send(self, msg: Ack | Staged | Bye) -> None:
@@ -593,10 +515,7 @@ class Receiver:
         if not self._no_bye:
             self._send(Bye(self.worker_idx, self._version, reason))
         self._queue.close()
-        if self._stager is not None:
-            self._stager.close()  # unregisters page-locked slots: before they are unmapped
-            self._stager = None
-        self._slots.close()  # a pending set still viewing a slot was copied above
+        self._staging.close()  # a pending set still viewing a slot was copied above
         if self._mailbox is not None:
             self._mailbox.close()
             self._mailbox = None

@@ -3,7 +3,8 @@
 Sender -> worker: :class:`Setup` (once per connection), :class:`MapSlots` (followed by
 the slots' file descriptors), :class:`Receive` (apply the weights of ``version`` that
 sit in ``slot``; at most one is outstanding per worker), :class:`Mailbox` (to a polled
-worker, followed by the mailbox's descriptor; it then replaces ``Receive``), :class:`Stop`.
+worker, followed by the mailbox's and the wake's descriptors; it then replaces ``Receive``,
+and the worker's acks of applied versions go there), :class:`Stop`.
 Worker -> sender: :class:`Hello`, :class:`Poll` (this worker polls), :class:`Ack`,
 :class:`Staged` (manual commit mode) and :class:`Bye` (the receiver ends, its weights
 already detached from every shared slot).
@@ -107,8 +108,10 @@ class Poll(NamedTuple):
 
 
 class Mailbox(NamedTuple):
-    """Sender -> worker: map this mailbox of ``nbytes``; its file descriptor follows on the
-    socket. From now on versions arrive there (``Receive`` is not sent any more)."""
+    """Sender -> worker: map this mailbox of ``nbytes``; two file descriptors follow on the
+    socket: the mailbox's segment and the sender's wake (an eventfd). From now on versions
+    arrive in the mailbox (``Receive`` is not sent any more), and the worker acks what it
+    applied there too, then writes the wake (a rejection still goes as an ``Ack``)."""
 
     nbytes: int
 

@@ -1,11 +1,18 @@
 """The ``shm-poll`` transport: ``shm`` with polled receivers, and its publish-to-commit time.
 
-Each worker spins on :meth:`Receiver.poll_nowait` (yielding to its loop every
-:data:`POLLS_PER_YIELD` polls, as a worker between env steps would) and stamps each
-version right after the poll that committed it. The trainer stamps each version right
-before the sender writes it into a worker's mailbox. ``time.perf_counter`` is
-CLOCK_MONOTONIC on Linux, shared by all processes, so the difference is the
-publish-to-commit time: the worker noticing the version, its commit, and its ack.
+Each worker spins on :meth:`Receiver.poll_nowait` (yielding to its loop, then its CPU
+with ``sched_yield``, every :data:`POLLS_PER_YIELD` polls, as a worker between env steps
+would) and stamps each version right after its commit is complete (its ack about to be
+written). The trainer stamps each version just before the mailbox's even sequence store
+that makes it visible. ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by all
+processes, so the difference is the publish-to-commit time: the worker noticing the
+version and committing it.
+
+With ``ASYNCSYNC_BENCH_PIN=1`` in the environment, and a CPU for the trainer and one for
+each worker (:func:`cpu_plan`), the trainer and the workers are pinned each to its own CPU
+(``os.sched_setaffinity``), so that a spinning worker runs on a core of its own. Other
+processes may still run there: on a machine busier than its cores, pinning makes things
+worse (a pinned process cannot move to a CPU that frees up), hence off by default.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import signal
 import statistics
 import time
@@ -23,20 +31,25 @@ import torch
 
 from asyncsync.bench._workload import make_model
 
-__all__ = ["POLL_TRANSPORTS", "POLLS_PER_YIELD", "poll_worker", "publish_to_commit", "recording_publishes"]
+__all__ = ["POLL_TRANSPORTS", "PUBLISH_KEYS", "POLLS_PER_YIELD", "cpu_plan", "pinned", "poll_worker", "publish_to_commit", "recording_publishes"]
 
 #: "shm" with every worker polling (``init_on_receiver(..., poll=True)``).
 POLL_TRANSPORTS: tuple[str, ...] = ("shm-poll",)
 POLLS_PER_YIELD = 256
 
 
-async def poll_worker(worker_idx: int, scheme: Any, n_params: int, n_tensors: int, probe: bool = False, tick: bool = False) -> dict[str, Any]:
+async def poll_worker(
+    worker_idx: int, scheme: Any, n_params: int, n_tensors: int, probe: bool = False, tick: bool = False, cpus: list[int] | None = None
+) -> dict[str, Any]:
     """Poll until stopped; report what :func:`asyncsync.bench._run.bench_worker` reports,
     plus ``polled``: ``(version, perf_counter before the poll that committed it, when the
-    commit was complete (its ack about to be sent), after that poll)``."""
+    commit was complete (its ack about to be written), after that poll)``. With *cpus*
+    (:func:`cpu_plan`), the worker runs on ``cpus[1 + worker_idx]`` only."""
     from asyncsync.bench._run import worker_report
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
+    if cpus is not None:
+        os.sched_setaffinity(0, {cpus[1 + worker_idx]})
     torch.set_num_threads(1)
     model = make_model(n_params, n_tensors, seed=1000 + worker_idx)
     scheme.init_on_receiver(worker_idx=worker_idx, model=model, poll=True)
@@ -60,43 +73,93 @@ async def poll_worker(worker_idx: int, scheme: Any, n_params: int, n_tensors: in
                 if version is not None:
                     polled.append((version, t0, committed_at.get(version, math.nan), clock()))
             await asyncio.sleep(0)
+            # Let the trainer and the other spinners run now rather than at the end of
+            # this time slice (a no-op when nothing else waits for this CPU).
+            os.sched_yield()
         await scheme.wait_stopped()
     return {**worker_report(scheme, model, memfd_mb=None, commits=[], ticks=[]), "polled": polled}
 
 
+def cpu_plan(workers: int) -> list[int] | None:
+    """With ``ASYNCSYNC_BENCH_PIN=1``: a CPU for the trainer (first) and one for each worker,
+    if this process may use that many; else None."""
+    if os.environ.get("ASYNCSYNC_BENCH_PIN") != "1":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[: workers + 1] if len(cpus) > workers else None
+
+
+@contextlib.contextmanager
+def pinned(cpus: list[int] | None) -> Iterator[None]:
+    """This (the trainer's) process on ``cpus[0]`` only, until the block ends."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[0]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @contextlib.contextmanager
 def recording_publishes() -> Iterator[dict[int, float]]:
-    """In this (the trainer's) process: ``{version: perf_counter}`` of each first mailbox write."""
-    from asyncsync._local._poll import Mailbox
+    """In this (the trainer's) process: ``{version: perf_counter}`` of each version's first
+    publication, stamped just before the mailbox's even sequence store makes it visible."""
+    from asyncsync._local import _poll
 
     published: dict[int, float] = {}
-    real = Mailbox.publish
+    clock = time.perf_counter
 
-    def publish(self: Mailbox, version: int, slot: int, skipped: int) -> None:
-        published.setdefault(version, time.perf_counter())
-        real(self, version, slot, skipped)
+    def stamp(version: int) -> None:
+        if version not in published:
+            published[version] = clock()
 
-    Mailbox.publish = publish  # type: ignore[method-assign]
+    _poll.on_publish = stamp
     try:
         yield published
     finally:
-        Mailbox.publish = real  # type: ignore[method-assign]
+        _poll.on_publish = None
+
+
+#: The publish-to-commit figures of a ``shm-poll`` row (see :func:`publish_to_commit`).
+PUBLISH_KEYS = (
+    "publish_to_commit_us",
+    "publish_to_commit_min_us",
+    "publish_to_commit_p10_us",
+    "publish_to_commit_p90_us",
+    "publish_to_commit_p99_us",
+    "publish_to_commit_within_20us",
+    "publish_to_poll_us",
+    "commit_poll_us",
+)
 
 
 def publish_to_commit(published: dict[int, float], workers: list[dict[str, Any]], versions: list[int]) -> dict[str, float]:
-    """Over the timed *versions*, medians in µs: ``publish_to_commit_us`` (and its p90),
-    from the mailbox write until the commit is complete; ``publish_to_poll_us``, until the
-    poll that committed it began (how soon the worker ran and looked); ``commit_poll_us``,
-    that whole poll (reading, committing, the ack, and any preemption the ack's wake-up of
-    the trainer causes)."""
+    """Over the timed *versions*, in µs: ``publish_to_commit_us``, the median from the
+    publication (the even sequence store) until the commit is complete, with its min, p10,
+    p90 and p99 and ``publish_to_commit_within_20us`` (the share at most 20 µs);
+    ``publish_to_poll_us``, the median until the poll that committed it began (how soon
+    the worker ran and looked; it may be negative: a poll that began just before);
+    ``commit_poll_us``, that whole poll's median (reading, committing, the ack, and any
+    preemption the ack's wake-up of the trainer causes)."""
     timed = set(versions)
     rows = [(v, a, c, b) for w in workers for v, a, c, b in w.get("polled", ()) if v in timed and v in published]
     if not rows:
-        return {k: math.nan for k in ("publish_to_commit_us", "publish_to_commit_p90_us", "publish_to_poll_us", "commit_poll_us")}
+        return dict.fromkeys(PUBLISH_KEYS, math.nan)
     total = sorted((c - published[v]) * 1e6 for v, _a, c, _b in rows)
+
+    def pct(q: float) -> float:
+        return float(total[min(len(total) - 1, int(q * len(total)))])
+
     return {
         "publish_to_commit_us": statistics.median(total),
-        "publish_to_commit_p90_us": total[min(len(total) - 1, int(0.9 * len(total)))],
+        "publish_to_commit_min_us": total[0],
+        "publish_to_commit_p10_us": pct(0.1),
+        "publish_to_commit_p90_us": pct(0.9),
+        "publish_to_commit_p99_us": pct(0.99),
+        "publish_to_commit_within_20us": sum(t <= 20.0 for t in total) / len(total),
         "publish_to_poll_us": statistics.median((a - published[v]) * 1e6 for v, a, _c, _b in rows),
         "commit_poll_us": statistics.median((b - a) * 1e6 for _v, a, _c, b in rows),
     }

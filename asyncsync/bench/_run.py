@@ -32,7 +32,15 @@ from torch import nn
 from asyncsync.bench import _cpu
 from asyncsync.bench._echo import measure_echo
 from asyncsync.bench._floors import measure_floors
-from asyncsync.bench._poll import POLL_TRANSPORTS, poll_worker, publish_to_commit, recording_publishes
+from asyncsync.bench._poll import (
+    POLL_TRANSPORTS,
+    PUBLISH_KEYS,
+    cpu_plan,
+    pinned,
+    poll_worker,
+    publish_to_commit,
+    recording_publishes,
+)
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = [
@@ -315,12 +323,15 @@ async def run_asyncsync(
     _reset_peak_rss()
     out: dict[str, Any] = {"latencies_ms": [], "t0": [], "t1": [], "versions": []}
     trainer_cpu_s = 0.0
-    recording = contextlib.ExitStack()  # shm-poll: stamps each mailbox write, until aclose
+    recording = contextlib.ExitStack()  # shm-poll: stamps each publication, until aclose
     published = recording.enter_context(recording_publishes()) if polled else {}
+    cpus = cpu_plan(workers) if polled else None  # shm-poll: a CPU each, where there are enough
+    recording.enter_context(pinned(cpus))
+    out["pinned_cpus"] = cpus
     async with spawn_workers(
         poll_worker if polled else bench_worker,
         workers,
-        args=(scheme, n_params, n_tensors, probe, tick),
+        args=(scheme, n_params, n_tensors, probe, tick, *([cpus] if polled else [])),
         scheme=scheme,
         join_timeout=JOIN_TIMEOUT_S,
     ) as group:
@@ -532,8 +543,12 @@ def run_rows(
                     if "publish_to_commit_us" in row:
                         say(
                             f"{transport:>14} {spec:>8} x{nw}: publish->commit median {row['publish_to_commit_us']:.1f} us, "
-                            f"p90 {row['publish_to_commit_p90_us']:.1f} us (until the poll began {row['publish_to_poll_us']:.1f} us, "
-                            f"the committing poll {row['commit_poll_us']:.1f} us)"
+                            f"min {row['publish_to_commit_min_us']:.1f} p10 {row['publish_to_commit_p10_us']:.1f} "
+                            f"p90 {row['publish_to_commit_p90_us']:.1f} p99 {row['publish_to_commit_p99_us']:.1f} us, "
+                            f"{100 * row['publish_to_commit_within_20us']:.0f}% within 20 us (until the poll began "
+                            f"{row['publish_to_poll_us']:.1f} us, the committing poll {row['commit_poll_us']:.1f} us; "
+                            f"{'pinned to CPUs ' + str(row['pinned_cpus']) if row.get('pinned_cpus') else 'not pinned'}, "
+                            f"load {row.get('poll_loadavg')})"
                         )
         _add_torchrl_ratios(rows)
         for line in _add_cpu_growth(rows):
@@ -630,9 +645,12 @@ def _latency_row(
         res = _run_loop(transport, run_asyncsync(transport, n_params, n_tensors, workers, repeats, flat=flat))
         row["sender_copy_ms"] = res["last_copy_ms"]
         row["worker_commit_ms"] = max(res["worker_commit_ms"])
-        for key in ("publish_to_commit_us", "publish_to_commit_p90_us", "publish_to_poll_us", "commit_poll_us"):
+        for key in PUBLISH_KEYS:
             if key in res:
                 row[key] = res[key]
+        if transport in POLL_TRANSPORTS:
+            row["pinned_cpus"] = res["pinned_cpus"]
+            row["poll_loadavg"] = [round(x, 2) for x in os.getloadavg()]
     row.update(summarize(res["latencies_ms"]))
     row["min_ms"] = min(res["latencies_ms"])
     row["repeats"] = n = len(res["latencies_ms"])
