@@ -135,7 +135,7 @@ class ControlStream:
         n = payload_length(header, self.limit)
         return header, (await self.reader.readexactly(n) if n else b"")
 
-    # ------------------------------------------------------------------ writing (the thread)
+    # ------------------------------------------------------------------ writing (at once, or by the thread)
 
     def send(self, msg: Message) -> None:
         """Write *msg*, or queue what the socket does not take at once (never blocks); a
