@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import threading
+import time
 from typing import Any
 
 from .._errors import BrokenChannelError, ProtocolError, format_seconds
@@ -39,11 +40,13 @@ FRAME_LIMIT = 256 << 20
 class ControlStream:
     """Protocol frames over one TCP connection; ``peer`` names the other end in errors.
 
-    Frames are written by a small daemon thread of the stream's own, never by the loop:
-    ``send`` only queues them, so the loop never waits on a slow peer, and heartbeats
-    (:meth:`start_heartbeat`) keep going while the loop is blocked (a long synchronous
-    training step), which is what the peer's silence detection watches. Reading stays
-    on the loop. The thread ends when the stream is closed.
+    ``send`` never blocks: when nothing is queued it writes the frame at once, with one
+    non-blocking write from the caller's thread (the usual case: a control frame is a few
+    dozen bytes), and whatever the socket does not take at once goes to a small daemon
+    thread of the stream's own, which writes it in order. That thread also sends the
+    heartbeats (:meth:`start_heartbeat`), so they keep going while the loop is blocked (a
+    long synchronous training step), which is what the peer's silence detection watches.
+    Reading stays on the loop. The thread ends when the stream is closed.
     """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, peer: str) -> None:
@@ -55,7 +58,9 @@ class ControlStream:
         self._cond = threading.Condition()
         self._out: list[bytes] = []
         self._queued = 0  # bytes handed to send() so far
-        self._written = 0  # bytes the thread wrote so far
+        self._written = 0  # bytes written so far (by send() itself, or by the thread)
+        self._writing = False  # the thread is writing (outside the lock): send() queues
+        self._last_write = time.monotonic()  # when a frame last went out (for heartbeats)
         self._beat: float | None = None
         self._closing = False  # write what is queued, then end
         self._abort = False  # end now, dropping what is queued
@@ -130,18 +135,33 @@ class ControlStream:
         n = payload_length(header, self.limit)
         return header, (await self.reader.readexactly(n) if n else b"")
 
-    # ------------------------------------------------------------------ writing (the thread)
+    # ------------------------------------------------------------------ writing (at once, or by the thread)
 
     def send(self, msg: Message) -> None:
-        """Queue *msg* for writing (never blocks); a closed stream raises :class:`BrokenChannelError`."""
+        """Write *msg*, or queue what the socket does not take at once (never blocks); a
+        closed stream raises :class:`BrokenChannelError`."""
         data = encode(msg)
         with self._cond:
             if self._error is not None:
                 raise BrokenChannelError(f"the connection to {self.peer} is broken: {self._error}")
             if self._closing or self._abort or self._thread is None:
                 raise BrokenChannelError(f"the connection to {self.peer} is closed")
-            self._out.append(data)
             self._queued += len(data)
+            self._last_write = time.monotonic()
+            if not self._out and not self._writing:
+                # Nothing ahead of it: write now, sparing a wake-up of the thread (and, on a
+                # busy machine, the wait for it to be scheduled) on every frame.
+                try:
+                    n = os.write(self._fd_of_thread(), data)
+                except BlockingIOError:
+                    n = 0
+                except OSError:
+                    n = 0  # the thread meets the same error, and ends the stream
+                self._written += n
+                if n == len(data):
+                    return
+                data = data[n:]
+            self._out.append(data)
             self._cond.notify()
 
     def start_heartbeat(self, every: float) -> None:
@@ -169,14 +189,23 @@ class ControlStream:
             while True:
                 with self._cond:
                     while not self._out and not self._closing and not self._abort:
-                        if not self._cond.wait(self._beat) and self._beat is not None:
-                            self._out.append(beat)
-                            self._queued += len(beat)
+                        if self._beat is None:
+                            self._cond.wait()
+                            continue
+                        quiet = time.monotonic() - self._last_write
+                        if quiet < self._beat:
+                            self._cond.wait(self._beat - quiet)
+                            continue
+                        self._out.append(beat)  # nothing went out for a heartbeat period
+                        self._queued += len(beat)
+                        self._last_write = time.monotonic()
                     if self._abort or not self._out:
                         return
                     data, self._out = b"".join(self._out), []
+                    self._writing = True
                 self._write_all(data)
                 with self._cond:
+                    self._writing = False
                     self._written += len(data)
                     ready = [f for n, f in self._drains if n <= self._written]
                     self._drains = [(n, f) for n, f in self._drains if n > self._written]

@@ -6,7 +6,9 @@ processes (the benchmark's ``bench_worker``), all on 127.0.0.1. A row times
 same run and between the same processes, a raw ``broadcast`` of the same number of bytes
 on a gloo group built the same way (plus a one-element ``allreduce`` so the root knows
 every host has the bytes: the raw counterpart of the acks). It also reports the bytes that
-left the trainer per send (``DistributedStatistics.last_send_bytes``).
+left the trainer per send (``DistributedStatistics.last_send_bytes``), and the CPU each send
+cost: the trainer's (``time.process_time()``, all its threads) and the hosts' (every relay
+and worker process, read from ``/proc``; Linux only), over the timed sends.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from asyncsync import DistributedWeightSyncScheme, spawn_workers
+from asyncsync.bench import _cpu
 from asyncsync.bench._run import WARMUP_SENDS, bench_worker
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
@@ -43,6 +46,32 @@ def _free_port() -> int:
 
 def _store(port: int, master: bool) -> Any:
     return TCPStore("127.0.0.1", port, None, master, datetime.timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
+
+
+def _descendants() -> list[int]:
+    """The pids of this process's descendants (the relays and their workers); Linux only."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out: list[int] = []
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
 
 
 def _raw_broadcasts(store: Any, rank: int, size: int, nbytes: int, repeats: int) -> list[float]:
@@ -93,14 +122,26 @@ async def _row(spec: str, hosts: int, workers: int, repeats: int) -> dict[str, A
     group = spawn_workers(dist_host, worker_ids=range(1, hosts + 1), args=(port, token, hosts + 1, workers, n_params, n_tensors, repeats))
     group.start()
     lat: list[float] = []
+    trainer_cpu_s = 0.0
+    hosts_cpu_s: float | None = None
     try:
         try:
             await scheme.connect()
+            pids: list[int] = []
+            before: list[_cpu.Sample | None] = []
             for step in range(WARMUP_SENDS + repeats):
                 perturb_(model, step)
+                if step == WARMUP_SENDS:
+                    pids = _descendants()
+                    before = _cpu.sample(pids)
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 await scheme.send()
                 lat.append((time.perf_counter() - t0) * 1e3)
+                if step >= WARMUP_SENDS:
+                    trainer_cpu_s += time.process_time() - c0
+            if pids:
+                hosts_cpu_s = _cpu.elapsed_s(before, _cpu.sample(pids))
             stats = scheme.sender.statistics()
         finally:
             await scheme.aclose()
@@ -122,6 +163,8 @@ async def _row(spec: str, hosts: int, workers: int, repeats: int) -> dict[str, A
         "send_p90_ms": sorted(lat)[int(0.9 * (len(lat) - 1))],
         "raw_broadcast_median_ms": raw_ms,
         "x_raw": send_ms / raw_ms if raw_ms > 0 else None,
+        "trainer_cpu_ms_per_send": trainer_cpu_s / repeats * 1e3,
+        "hosts_cpu_ms_per_send": None if hosts_cpu_s is None else hosts_cpu_s / repeats * 1e3,
         "bytes_leaving_trainer_per_send": stats.last_send_bytes,
         "pid": os.getpid(),
     }
@@ -138,7 +181,8 @@ def run_dist_rows(params: Sequence[str], hosts: int, workers: Sequence[int], rep
             if progress is not None:
                 progress(
                     f"  send {row['send_median_ms']:.2f} ms, raw broadcast {row['raw_broadcast_median_ms']:.2f} ms "
-                    f"({row['x_raw']:.2f}x), {row['bytes_leaving_trainer_per_send']} bytes left the trainer per send"
+                    f"({row['x_raw']:.2f}x), {row['bytes_leaving_trainer_per_send']} bytes left the trainer per send; "
+                    f"CPU per send: trainer {row['trainer_cpu_ms_per_send']:.2f} ms, hosts {_ms(row['hosts_cpu_ms_per_send'])} ms"
                 )
             rows.append(row)
     return rows
@@ -146,12 +190,18 @@ def run_dist_rows(params: Sequence[str], hosts: int, workers: Sequence[int], rep
 
 def dist_markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| transport | params | hosts x workers | send median ms | send p90 ms | raw broadcast + ack ms | x raw | bytes leaving the trainer per send |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| transport | params | hosts x workers | send median ms | send p90 ms | raw broadcast + ack ms | x raw "
+        "| trainer CPU ms/send | hosts CPU ms/send | bytes leaving the trainer per send |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r['transport']} | {r['params']} | {r['hosts']} x {r['workers_per_host']} | {r['send_median_ms']:.2f} | {r['send_p90_ms']:.2f} "
-            f"| {r['raw_broadcast_median_ms']:.2f} | {r['x_raw']:.2f} | {r['bytes_leaving_trainer_per_send']:,} |"
+            f"| {r['raw_broadcast_median_ms']:.2f} | {r['x_raw']:.2f} | {r['trainer_cpu_ms_per_send']:.2f} | {_ms(r['hosts_cpu_ms_per_send'])} "
+            f"| {r['bytes_leaving_trainer_per_send']:,} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
