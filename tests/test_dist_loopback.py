@@ -394,10 +394,14 @@ async def test_a_relay_with_another_model_is_refused_with_the_reason() -> None:
         with pytest.raises(ValueError, match="host 1: the trainer's weights do not fit this host's model"):
             await relay.connect()
         await trainer.sender.wait_lost(1, timeout=30)
-        assert trainer.statistics().host(1).state == "dead"
+        host = trainer.statistics().host(1)
+        assert host.state == "dead" and "its relay refused the trainer's weights: host 1: the trainer's weights do not fit" in str(host.reason)
     finally:
         await relay.aclose()
         await trainer.aclose()
+    # The refusal came before the host was admitted: no group began to form with it, so
+    # no rendezvous thread is left waiting for a relay that is gone.
+    assert not [t.name for t in threading.enumerate() if t.name == "asyncsync-group"]
 
 
 async def test_a_relay_that_leaves_is_named_as_left() -> None:

@@ -164,6 +164,14 @@ class HostTable:
             await stream.aclose()
             return
         h = self.hosts[host.host]
+        refusal = await self._refusal(stream)
+        if refusal is not None:
+            await stream.aclose()
+            if h.stream is None and self.phase() == "running":
+                self.lose(h, refusal)
+            else:  # a relay already connected for this host stays
+                logger.warning("asyncsync: closed control connection from %s (host %d): %s", peer, h.idx, refusal)
+            return
         if h.stream is not None:
             # The newest connection wins (a restarted host may come back before its old
             # connection is noticed dead); the old relay is told why it is dropped.
@@ -177,7 +185,6 @@ class HostTable:
             if self.phase() != "running" or h.stream is not None:
                 await stream.aclose()
                 return
-        stream.limit = FRAME_LIMIT
         h.stream = stream
         h.state = "connected"
         h.pid = host.pid
@@ -189,10 +196,6 @@ class HostTable:
         for w in h.workers.values():
             self.acks.expect(w.wid, h.connections)  # nothing it answered before counts
         h.requeue()  # each worker's newest version goes first
-        try:
-            stream.send(Setup(self._layout, None, os.getpid()))
-        except BrokenChannelError:
-            pass
         loop = asyncio.get_running_loop()
         for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
             t.cancel()
@@ -218,6 +221,24 @@ class HostTable:
             raise ValueError(f"host {msg.host} at {stream.peer} has {msg.num_workers} workers, the trainer expects {expected}")
         stream.send(Welcome(welcome_mac(self._token, msg.nonce)))
         return msg
+
+    async def _refusal(self, stream: ControlStream) -> str | None:
+        """Send the wire layout; the relay checks it against its model and answers ``Beat``
+        (it fits: None) or ``Bye`` (why not). Only a relay that accepted is admitted, so no
+        group forms with one that is about to leave."""
+        stream.limit = FRAME_LIMIT  # authenticated: a Bye may say at length why it refuses
+        try:
+            stream.send(Setup(self._layout, None, os.getpid()))
+            answer = await stream.recv(timeout=10.0)
+        except ProtocolError as exc:
+            return f"its relay sent a malformed message ({exc})"
+        except BrokenChannelError as exc:
+            return f"its relay left before accepting the weights' layout ({exc})"
+        if isinstance(answer, Bye):
+            return f"its relay refused the trainer's weights: {answer.reason}"
+        if not isinstance(answer, Beat):
+            return f"its relay answered the weights' layout with {type(answer).__name__}"
+        return None
 
     async def _read_loop(self, h: Host, stream: ControlStream) -> None:
         try:

@@ -19,6 +19,7 @@ and keeps its last complete weights, and so does :meth:`Relay.wait_stopped`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import datetime
 import hmac
@@ -206,11 +207,16 @@ class Relay:
         if not isinstance(setup, Setup):
             raise ProtocolError(f"{stream.peer}: expected Setup, got {type(setup).__name__}")
         if setup.layout != self.local.layout:
-            raise ValueError(
+            error = ValueError(
                 f"host {self.host}: the trainer's weights do not fit this host's model: the wire layouts differ "
                 f"({len(setup.layout.specs)} tensors, {setup.layout.nbytes} bytes vs {len(self.local.layout.specs)} tensors, "
                 f"{self.local.layout.nbytes} bytes here); build the same model, with the same transfer_dtype"
             )
+            with contextlib.suppress(BrokenChannelError):
+                stream.send(Bye(self.host, -1, str(error)))
+                await stream.drain()
+            raise error
+        stream.send(Beat())  # the layout fits: the trainer admits this host
 
     async def _read_loop(self, stream: ControlStream) -> None:
         try:
