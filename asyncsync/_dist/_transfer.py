@@ -313,8 +313,8 @@ class Transfers:
         # A newer version for the same workers may have replaced this one (latest wins)
         # between the pump starting this task and the task's first step.
         hosts = [h for h in hosts if key in self._hosts[h].pending]
-        if not hosts:
-            return
+        if not hosts or any(self._hosts[h].stream is None for h in hosts):
+            return  # (a host lost meanwhile: the group re-forms, and the pump starts again)
         buf = self._hosts[hosts[0]].pending[key][0]
         version = key[0]
         p2p = set(hosts) != set(self.members)
@@ -326,7 +326,7 @@ class Transfers:
         data: torch.Tensor | list[torch.Tensor] = [buf.tensor[o : o + n] for o, n in ranges] if delta else buf.tensor
         for h in hosts:
             stream = self._hosts[h].stream
-            assert stream is not None
+            assert stream is not None  # (checked above; nothing awaited since)
             try:
                 stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(named[h])), base, ranges))
             except BrokenChannelError:
