@@ -32,7 +32,7 @@ from asyncsync import (
     WorkerDiedError,
 )
 from tests import _attach_worker
-from tests.test_hygiene_mp import snapshot
+from tests.test_hygiene_mp import shm_left, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)  # each worker program imports torch on a busy machine
@@ -345,9 +345,9 @@ async def test_nothing_left_after_aclose_and_a_crash() -> None:
             await scheme.send()
         assert (await workers[0].events_until("stopped"))[-1] == {"stopped": 2}
     assert not os.path.exists(socket_dir), "the private socket directory is removed"
-    fds1, shm1, threads1 = snapshot()
+    fds1, _, threads1 = snapshot()
     assert fds1 == fds0, f"descriptors left: {[(fd, _link(fd)) for fd in sorted(fds1 - fds0)]}"
-    assert shm1 == shm0, f"/dev/shm entries left: {sorted(shm1 - shm0)}"
+    assert not shm_left(shm0), f"/dev/shm entries left: {shm_left(shm0)}"
     assert threads1 == threads0
 
 
@@ -362,16 +362,15 @@ def test_the_address_round_trips_through_its_string_form() -> None:
         WorkerAddress.from_env({})
 
 
-async def test_the_example_runs() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "examples/attach_worker.py", "--workers", "1", "--steps", "2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=str(ROOT),
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
-    )  # fmt: skip
-    out, _ = await asyncio.wait_for(proc.communicate(), 110)
-    text = out.decode()
-    assert proc.returncode == 0, text
-    assert "step 1: version 2 applied by {0: 2}" in text and "worker 0" in text and "stopped at version 2" in text
+def test_the_example_runs(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python examples/attach_worker.py --workers 1 --steps 2``, its trainer in this process;
+    it launches its worker program with plain ``subprocess``, as it would."""
+    from tests._script_runner import run_here
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run_here(ROOT / "examples" / "attach_worker.py", "--workers", "1", "--steps", "2")
+    text = capfd.readouterr().out
+    assert "step 1: version 2 applied by {0: 2}" in text and "worker 0" in text and "stopped at version 2" in text, text
 
 
 async def test_queue_transport_passes_a_segment_per_message_over_the_socket() -> None:

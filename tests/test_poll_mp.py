@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 from collections.abc import AsyncIterator
 from typing import Any
@@ -333,20 +332,16 @@ def test_the_local_state_machine_drives_a_polled_worker() -> None:
     assert _stateful.ClusterMachine.steps >= 12
 
 
-@pytest.mark.timeout(300)
-def test_the_polled_env_server_example_runs() -> None:
-    import subprocess
-    import sys
+def test_the_polled_env_server_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python examples/polled_env_server.py --updates 5 --envs 2``, run in this process
+    (its worker comes from the suite's forkserver)."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run(
-        [sys.executable, str(root / "examples" / "polled_env_server.py"), "--updates", "5", "--envs", "2"],
-        capture_output=True, text=True, timeout=280, env=env, cwd=root,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "sent 5 versions" in out.stdout and "ends at version 5" in out.stdout, out.stdout
+    from tests._script_runner import run_here
+
+    run_here(Path(__file__).resolve().parents[1] / "examples" / "polled_env_server.py", "--updates", "5", "--envs", "2")
+    out = capsys.readouterr().out
+    assert "sent 5 versions" in out and "ends at version 5" in out, out
 
 
 @pytest.mark.timeout(300)
