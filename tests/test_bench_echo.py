@@ -83,6 +83,7 @@ def test_cli_no_echo(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeyp
     argv = ["--transports", "shm", "--params", "10k", "--workers", "1", "--repeats", "3", "--no-memory", "--no-echo", "--json", str(out)]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["asyncsync.bench", *argv])
+    monkeypatch.delitem(sys.modules, "asyncsync.bench.__main__", raising=False)  # as in a new interpreter
     with pytest.raises(SystemExit) as info:
         runpy.run_module("asyncsync.bench", run_name="__main__", alter_sys=True)
     assert info.value.code == 0
