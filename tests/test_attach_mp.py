@@ -1,9 +1,9 @@
 """Workers that attach by address: processes asyncsync did not start join as worker k.
 
 The workers here are never given the scheme object, only its address (on the command line
-or in ``ASYNCSYNC_ADDRESS``): plain programs (``python -m tests._attach_worker``) started
+or in ``ASYNCSYNC_ADDRESS``): a plain program (``python -m tests._attach_worker``) started
 with ``asyncio.create_subprocess_exec`` in the first test, the same program's ``main`` in
-processes forked from the suite's forkserver elsewhere (no torch import to wait for).
+processes forked from the suite's forkserver (no torch import to wait for) everywhere else.
 """
 
 from __future__ import annotations
@@ -150,8 +150,10 @@ async def test_programs_attach_by_address_and_receive_every_version() -> None:
     scheme.init_on_sender(model=model, num_workers=2)
     fill_(model, 0.0)
     address = await scheme.listen()
-    async with programs(fresh_interpreter=True) as start:  # plain programs, as a launcher starts them
-        workers = [await start(0, address), await start(1, address, via_env=True)]
+    # worker 0 a plain program, as a launcher starts it (the example's test starts one given
+    # the address in the environment); worker 1 forked, given it in the environment
+    async with programs(fresh_interpreter=True) as start, programs() as start_forked:
+        workers = [await start(0, address), await start_forked(1, address, via_env=True)]
         async with scheme:  # waits for both programs to attach and apply version 0
             for v in (1, 2, 3):
                 fill_(model, float(v))

@@ -270,6 +270,8 @@ async def test_a_version_the_polled_worker_cannot_apply_keeps_its_weights_and_ra
         with pytest.raises(WorkerError, match="worker 1") as info:
             await scheme.send()  # version 1: worker 1 refuses it at a poll
         assert info.value.worker_idx == 1 and "does not fit" in str(info.value)
+        # the send raised at worker 1's refusal; worker 0 commits version 1 at its own next poll
+        await scheme.wait_async(1, worker_ids=[0])
         committed0, version0, value0, _, rejected0 = await _ask(qs[0], "report")
         committed1, version1, _, same_as_own1, rejected1 = await _ask(qs[1], "report")
         assert (committed0, version0, value0, rejected0) == ([1], 1, 5.0, 0)
