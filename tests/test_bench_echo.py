@@ -80,7 +80,8 @@ def test_cli_no_echo(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeyp
     package's ``__main__`` module as ``__main__``; its worker, from the suite's forkserver,
     must find the benchmark's functions elsewhere)."""
     out = tmp_path / "bench.json"
-    argv = ["--transports", "shm", "--params", "10k", "--workers", "1", "--repeats", "3", "--no-memory", "--no-echo", "--json", str(out)]
+    argv = ["--transports", "shm", "--params", "10k", "--workers", "1"]
+    argv += ["--repeats", "3", "--no-memory", "--no-echo", "--json", str(out)]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["asyncsync.bench", *argv])
     monkeypatch.delitem(sys.modules, "asyncsync.bench.__main__", raising=False)  # as in a new interpreter
