@@ -21,9 +21,11 @@ import io
 import json
 import os
 import runpy
+import sys
 import tempfile
 import threading
 import traceback
+from pathlib import Path
 
 
 def main() -> None:
@@ -67,6 +69,21 @@ def _watch(done: threading.Event, path: str, timeout: float, report: object) -> 
         stacks = f.read()
     report(path, False, f"ran past {timeout} s; every thread's stack:\n{stacks}", "")  # type: ignore[operator]
     os._exit(1)  # its workers are killed with the runner's session
+
+
+def run_here(script: str | Path, *args: str) -> None:
+    """Run *script* in this process as ``python script args...`` would: as ``__main__`` from
+    its own file, with that command line in ``sys.argv`` (the workers it starts import their
+    function from that file). Raises if it exits with a non-zero code."""
+    argv = sys.argv[:]
+    sys.argv = [str(script), *args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise AssertionError(f"{script} exited with {exc.code!r}") from exc
+    finally:
+        sys.argv = argv
 
 
 if __name__ == "__main__":

@@ -26,9 +26,34 @@ from tests._targets import make_model, probe_worker
 CTX = mp.get_context("spawn")
 
 
+WORKERS = 2  # pytest-xdist workers for a run of the whole suite
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """A run of the whole suite (no test paths given: the README's command, CI's ``-m``
+    steps) goes to two pytest-xdist workers, whole files each (a module's shared workers
+    start once), when pytest-xdist is installed: the suite mostly waits on its child
+    processes. ``-n N`` chooses, ``-n 0`` runs in this process, and so does a run of named
+    files or tests (no workers to start for a few tests)."""
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return  # an xdist worker itself, or no xdist
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.getoption("usepdb"):
+        return
+    if config.option.numprocesses is None and config.option.dist == "no" and not config.option.tx:
+        config.option.numprocesses = WORKERS
+        config.option.dist = "loadfile"
+
+
+def _distributing(config: pytest.Config) -> bool:
+    """This process hands the tests to xdist workers and runs none itself."""
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start the forkserver now: it imports torch while the tests are collected."""
-    if os.environ["ASYNCSYNC_START_METHOD"] == "forkserver":
+    """Start the forkserver now: it imports torch while the tests are collected (in each
+    xdist worker: each has its own)."""
+    if os.environ["ASYNCSYNC_START_METHOD"] == "forkserver" and not _distributing(session.config):
         from multiprocessing import forkserver
 
         from asyncsync._local._workers import FORKSERVER_PRELOAD

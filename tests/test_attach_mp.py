@@ -1,9 +1,9 @@
 """Workers that attach by address: processes asyncsync did not start join as worker k.
 
 The workers here are never given the scheme object, only its address (on the command line
-or in ``ASYNCSYNC_ADDRESS``): plain programs (``python -m tests._attach_worker``) started
+or in ``ASYNCSYNC_ADDRESS``): a plain program (``python -m tests._attach_worker``) started
 with ``asyncio.create_subprocess_exec`` in the first test, the same program's ``main`` in
-processes forked from the suite's forkserver elsewhere (no torch import to wait for).
+processes forked from the suite's forkserver (no torch import to wait for) everywhere else.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from asyncsync import (
     WorkerDiedError,
 )
 from tests import _attach_worker
-from tests.test_hygiene_mp import snapshot
+from tests.test_hygiene_mp import shm_left, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)  # each worker program imports torch on a busy machine
@@ -150,8 +150,10 @@ async def test_programs_attach_by_address_and_receive_every_version() -> None:
     scheme.init_on_sender(model=model, num_workers=2)
     fill_(model, 0.0)
     address = await scheme.listen()
-    async with programs(fresh_interpreter=True) as start:  # plain programs, as a launcher starts them
-        workers = [await start(0, address), await start(1, address, via_env=True)]
+    # worker 0 a plain program, as a launcher starts it (the example's test starts one given
+    # the address in the environment); worker 1 forked, given it in the environment
+    async with programs(fresh_interpreter=True) as start, programs() as start_forked:
+        workers = [await start(0, address), await start_forked(1, address, via_env=True)]
         async with scheme:  # waits for both programs to attach and apply version 0
             for v in (1, 2, 3):
                 fill_(model, float(v))
@@ -345,9 +347,9 @@ async def test_nothing_left_after_aclose_and_a_crash() -> None:
             await scheme.send()
         assert (await workers[0].events_until("stopped"))[-1] == {"stopped": 2}
     assert not os.path.exists(socket_dir), "the private socket directory is removed"
-    fds1, shm1, threads1 = snapshot()
+    fds1, _, threads1 = snapshot()
     assert fds1 == fds0, f"descriptors left: {[(fd, _link(fd)) for fd in sorted(fds1 - fds0)]}"
-    assert shm1 == shm0, f"/dev/shm entries left: {sorted(shm1 - shm0)}"
+    assert not shm_left(shm0), f"/dev/shm entries left: {shm_left(shm0)}"
     assert threads1 == threads0
 
 
@@ -362,16 +364,15 @@ def test_the_address_round_trips_through_its_string_form() -> None:
         WorkerAddress.from_env({})
 
 
-async def test_the_example_runs() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "examples/attach_worker.py", "--workers", "1", "--steps", "2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=str(ROOT),
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
-    )  # fmt: skip
-    out, _ = await asyncio.wait_for(proc.communicate(), 110)
-    text = out.decode()
-    assert proc.returncode == 0, text
-    assert "step 1: version 2 applied by {0: 2}" in text and "worker 0" in text and "stopped at version 2" in text
+def test_the_example_runs(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python examples/attach_worker.py --workers 1 --steps 2``, its trainer in this process;
+    it launches its worker program with plain ``subprocess``, as it would."""
+    from tests._script_runner import run_here
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run_here(ROOT / "examples" / "attach_worker.py", "--workers", "1", "--steps", "2")
+    text = capfd.readouterr().out
+    assert "step 1: version 2 applied by {0: 2}" in text and "worker 0" in text and "stopped at version 2" in text, text
 
 
 async def test_queue_transport_passes_a_segment_per_message_over_the_socket() -> None:
