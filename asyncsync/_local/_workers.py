@@ -410,8 +410,10 @@ class WorkerGroup:
             return
         if isinstance(exc, AsyncSyncError) and not isinstance(exc, WorkerProcessError):
             # Most likely a consequence (the worker died, so a send failed): the worker's own
-            # error is what the user needs to see.
-            err = failures[0]
+            # error is what the user needs to see; that of the worker the trainer's error
+            # names, not another's that failed only because the block ended.
+            named = getattr(exc, "worker_idx", None)
+            err = next((f for f in failures if f.worker_idx == named), failures[0])
             if hasattr(err, "add_note"):
                 err.add_note(f"(the trainer saw: {type(exc).__name__}: {exc})")
             raise err
