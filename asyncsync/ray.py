@@ -137,9 +137,15 @@ def _actor(ray: Any, cls: type = _WorkerActor) -> Any:
 
 
 def relay_template(layout: Layout) -> dict[str, torch.Tensor]:
-    """Weights with *layout*'s keys, shapes and dtypes and no memory (meta tensors): what a
-    relay needs of the model (its architecture; the relay never reads values)."""
-    return {s.key: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in layout.specs}
+    """Weights with *layout*'s keys, shapes and dtypes: what a relay needs of the model (its
+    architecture; the relay never reads values). Meta tensors, with no memory; with tied
+    weights (aliases), uninitialised CPU tensors, each alias the very tensor it names, as a
+    meta tensor cannot show that two names are one."""
+    device = "cpu" if layout.aliases else "meta"
+    out = {s.key: torch.empty(s.shape, dtype=s.dtype, device=device) for s in layout.specs}
+    for alias, canonical in layout.aliases:
+        out[alias] = out[canonical]
+    return out
 
 
 _G = TypeVar("_G", bound="_ActorGroup")
@@ -524,10 +530,6 @@ def start_workers(
     if isinstance(scheme, DistributedWeightSyncScheme):
         if num_workers is not None or worker_ids is not None:
             raise ValueError("with a DistributedWeightSyncScheme, init_on_sender(hosts=...) says how many workers each host runs")
-        aliases = scheme.sender._source_layout.aliases
-        if aliases:
-            alias, canonical = aliases[0]
-            raise ValueError(f"tied weights ({alias!r} is {canonical!r}) cannot go through relays started by asyncsync.ray yet")
         placement = _placement(scheme, nodes)
         return RayHostGroup(fn, scheme, args, kwargs or {}, placement, actor_options or {}, relay_options or {}, join_timeout, start_timeout)
     if not isinstance(scheme, MultiProcessWeightSyncScheme):

@@ -2,7 +2,7 @@
 
 A relay actor builds its scheme from the trainer's options and store address
 (``DistributedWeightSyncScheme._relay_kwargs``) and its model from the trainer's layout
-alone (:func:`asyncsync.ray.relay_template`: meta tensors, no memory). Here the trainer,
+alone (:func:`asyncsync.ray.relay_template`: meta tensors, no memory; tied weights as CPU tensors). Here the trainer,
 that relay and one worker share this event loop, over gloo on 127.0.0.1.
 """
 
@@ -68,7 +68,7 @@ async def test_a_host_scheme_takes_its_worker_counts_from_its_hosts() -> None:
         await trainer.aclose()
 
 
-async def test_tied_weights_are_refused_before_any_relay_starts() -> None:
+async def test_tied_weights_reach_the_worker_through_a_relay_built_from_the_layout() -> None:
     class Tied(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -76,13 +76,27 @@ async def test_tied_weights_are_refused_before_any_relay_starts() -> None:
             self.head = torch.nn.Linear(4, 5, bias=False)
             self.head.weight = self.emb.weight
 
+    model = Tied()
     trainer = trainer_scheme()
-    trainer.init_on_sender(model=Tied(), hosts={1: 1})
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    template = relay_template(trainer.sender._source_layout)
+    assert template["head.weight"] is template["emb.weight"]
+    host = DistributedWeightSyncScheme(rank=1, **trainer._relay_kwargs())
+    host.init_on_relay(weights=template, num_workers=1)
+    replica = Tied()
+    worker = loopback_worker(host.local, 0)
+    worker.init_on_receiver(worker_idx=0, model=replica)
     try:
-        with pytest.raises(ValueError, match="'head.weight' is 'emb.weight'"):
-            start_workers(recording_worker, trainer)
+        await asyncio.gather(trainer.connect(), host.connect(), worker.connect())
+        with torch.no_grad():
+            model.emb.weight.fill_(3.0)
+        assert await trainer.send() == 1
+        assert replica.head.weight is replica.emb.weight
+        assert bool((replica.emb.weight == 3.0).all())
     finally:
         await trainer.aclose()
+        await host.aclose()
+        await worker.aclose()
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11's")
