@@ -229,7 +229,7 @@ class HostTable:
         stream.limit = FRAME_LIMIT  # authenticated: a Bye may say at length why it refuses
         try:
             stream.send(Setup(self._layout, None, os.getpid()))
-            answer = await stream.recv(timeout=10.0)
+            answer = await stream.recv(timeout=self.silence_timeout)
         except ProtocolError as exc:
             return f"its relay sent a malformed message ({exc})"
         except BrokenChannelError as exc:
