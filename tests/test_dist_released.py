@@ -78,6 +78,20 @@ async def test_a_rendezvous_given_up_on_keeps_nothing_open_once_it_ends_while_th
     assert kept
 
 
+async def test_a_rendezvous_given_up_on_closes_its_device_as_it_ends_before_the_loop_hears_of_it() -> None:
+    # The work's outcome waits in a callback the loop has not run yet (a program that checks
+    # its ports right after joining the thread): the frame in that exception holds no device.
+    gate = threading.Event()
+    before = set(threading.enumerate())
+    with no_leaks():
+        with pytest.raises(SyncTimeoutError, match="forming weight-sync group generation 1"):
+            await SyncGroup.create(UnansweredStore(gate), 1, 0, 2, timeout=0.2)
+        gate.set()
+        for t in set(threading.enumerate()) - before:
+            if t.name.startswith("asyncsync-group"):
+                t.join(WAIT_S)  # blocking: the loop runs nothing meanwhile
+
+
 async def test_closed_schemes_still_referenced_hold_no_descriptor() -> None:
     async with open_loopback_hosts(nn.Linear(4, 2), lambda: nn.Linear(4, 2), timeout=WAIT_S):
         pass  # the first cluster in a process leaves the backend's process-wide state behind

@@ -106,7 +106,13 @@ class SyncGroup:
                     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
                 else:
                     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-                return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+                try:
+                    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+                except BaseException:
+                    # This frame lives on in the exception, also after a caller who left
+                    # (the work ends on its own thread): not its device's listening socket.
+                    opts = None
+                    raise
             if backend == "nccl":
                 if device is None or device.type != "cuda":
                     raise ValueError(f"backend='nccl' needs a CUDA device, got {device}")
