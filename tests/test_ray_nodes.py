@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -19,6 +18,7 @@ import pytest
 
 from asyncsync import DistributedWeightSyncScheme, HostLostError, WorkerDiedError
 from asyncsync.ray import RayHostGroup, start_workers
+from tests._dist_cluster import free_port
 from tests._ray_targets import assert_versions_then_the_latest, recording_worker, send_versions_then_a_burst
 from tests._targets import fill_, make_model
 
@@ -50,12 +50,6 @@ def _no_leaked_children() -> Iterator[None]:
     """Replaces the suite's check: the raylets are this process's children. What is ours,
     the actors and the scheme's sockets, is checked by :func:`assert_released`."""
     yield
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def trainer_scheme(**options: object) -> DistributedWeightSyncScheme:

@@ -9,7 +9,6 @@ that relay and one worker share this event loop, over gloo on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 
 import pytest
@@ -18,14 +17,9 @@ import torch
 from asyncsync import DistributedWeightSyncScheme, HostLostError
 from asyncsync._local._loopback import loopback_worker
 from asyncsync.ray import RayHostGroup, relay_template, start_workers
+from tests._dist_cluster import free_port
 from tests._ray_targets import recording_worker
 from tests._targets import fill_, make_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def trainer_scheme(**options: object) -> DistributedWeightSyncScheme:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from .._core._layout import _storage_key
+from .._core._layout import Layout
 from .._core._source import configured_source
 from .._core._strategy import Strategy, resolve_model, to_flat
 from .._errors import ClosedError
@@ -549,16 +549,10 @@ def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:
 
 
 def _frozen_copy(flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A detached copy of *flat* that keeps its ties: names of one tensor (tied weights)
-    stay names of one copy, so the relay's wire layout has the trainer's aliases."""
-    copies: dict[tuple[object, ...], torch.Tensor] = {}
-    frozen: dict[str, torch.Tensor] = {}
-    for k, t in flat.items():
-        key = _storage_key(t)
-        if key is None:
-            frozen[k] = t.detach().clone()
-        else:
-            if key not in copies:
-                copies[key] = t.detach().clone()
-            frozen[k] = copies[key]
-    return frozen
+    """A detached copy of *flat* that keeps its ties (the layout's aliases: names of one
+    tensor stay names of one copy), so the relay's wire layout is the trainer's."""
+    aliases = Layout.from_tensors(flat).alias_map
+    frozen = {k: t.detach().clone() for k, t in flat.items() if k not in aliases}
+    for alias, canonical in aliases.items():
+        frozen[alias] = frozen[canonical]
+    return {k: frozen[k] for k in flat}  # in the order the weights list them
