@@ -408,3 +408,44 @@ async def test_a_polled_worker_that_attaches_by_address_acks_through_shared_memo
             process.kill()
             process.join(10)
         ours.close()
+
+
+async def _worker_that_says_hello_first(worker_idx: int, scheme: MultiProcessWeightSyncScheme, hello_sent: Any, n_in: int) -> int:
+    """A polled worker whose ``Hello`` and ``Poll`` reach the trainer before the trainer's
+    connect: they are sent at once when its connect starts, then it tells the test."""
+    torch.set_num_threads(1)
+    scheme.init_on_receiver(worker_idx=worker_idx, model=torch.nn.Linear(n_in, 2), poll=True)
+    connecting = asyncio.ensure_future(scheme.connect())
+    await asyncio.sleep(0)  # connect() runs to its first await: Hello and Poll are written
+    hello_sent.set()
+    try:
+        await connecting  # returns only if the initial version arrived without a poll
+        while not scheme.receiver.stopped:
+            scheme.poll_nowait()
+            await asyncio.sleep(0.001)
+    finally:
+        await scheme.aclose()
+    return scheme.version
+
+
+async def test_a_polled_worker_connects_when_its_mailbox_exists_before_the_initial_version() -> None:
+    """The trainer handles the worker's ``Hello`` and ``Poll`` (so it has a mailbox) while
+    its connect copies the initial version on a thread (a model above the thread-copy
+    size). The worker's connect waits for that version without polling: it must come as a
+    message, not in the mailbox, or the worker waits for it until its timeout."""
+    import multiprocessing as mp
+
+    from asyncsync._core._offload import THREAD_COPY_BYTES
+
+    n_in = 2 * THREAD_COPY_BYTES // (2 * 4)  # Linear(n_in, 2): twice the thread-copy size
+    hello_sent = mp.get_context("spawn").Event()
+    trainer = torch.nn.Linear(n_in, 2)
+    scheme = MultiProcessWeightSyncScheme(strategy="tensordict", timeout=START_S)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with spawn_workers(_worker_that_says_hello_first, 1, args=(scheme, hello_sent, n_in), scheme=scheme, start_timeout=START_S) as workers:
+        assert await asyncio.to_thread(hello_sent.wait, START_S)
+        async with scheme:
+            fill_(trainer, 2.0)
+            version = await scheme.send()
+            assert scheme.sender.applied_versions() == {0: version}  # and later ones through the mailbox
+        assert await workers.join(START_S) == {0: version}

@@ -63,6 +63,9 @@ class _Link:
         self.tasks: list[asyncio.Task[None]] = []
         self.mailbox: _Mailbox | None = None  # a polled worker's: versions go there, not as Receive
         self.polled: _PolledAcks | None = None  # the wake that scans its mailbox's acks
+        # A polled worker's connect() waits for its first version without polling: that one
+        # always goes as a Receive, and only versions after its first answer use the mailbox.
+        self.answered = False
 
     def close_mailbox(self) -> None:
         if self.mailbox is not None:
@@ -239,7 +242,7 @@ class LinkTable:
         try:
             if slot.transient or slot.id not in link.mapped:
                 self._map_slots(link, [slot])
-            if link.mailbox is not None:
+            if link.mailbox is not None and link.answered:
                 # A polled worker reads it between its steps: no message, no wake-up there.
                 # (The slot's bytes are complete: the send's copy finished before publishing.)
                 link.mailbox.publish(ref.version, slot.id, skipped)
@@ -355,6 +358,7 @@ class LinkTable:
         self._changed.notify()
 
     def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
+        link.answered = True
         self._ledger.on_ack(w.idx, ack.version, ack.ok, ack.holds)
         if self._observer is not None:
             try:
