@@ -164,7 +164,12 @@ async def test_a_relay_that_gives_up_on_a_silent_trainer_ends_the_connection_and
     trainer.init_on_sender(model=model, hosts={1: 1})
     relay, worker, _ = _relay(_common(port, silence_timeout=0.5))
     try:
-        await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
+        # On a busy machine the relay may give up before its first weights arrive: then its
+        # connect (and its worker's) raise what wait_stopped raises below, and the trainer's
+        # connect may already see the host lost.
+        outcomes = await asyncio.gather(trainer.connect(), relay.connect(), worker.connect(), return_exceptions=True)
+        assert outcomes[0] == 0 or isinstance(outcomes[0], HostLostError), outcomes
+        assert all(o == 0 or isinstance(o, SenderDiedError) for o in outcomes[1:]), outcomes
         with pytest.raises(SenderDiedError, match="host 1: the trainer is gone .*sent nothing for 0.5 s"):
             await relay.wait_stopped()
         await trainer.sender.wait_lost(1, timeout=20)
@@ -173,7 +178,7 @@ async def test_a_relay_that_gives_up_on_a_silent_trainer_ends_the_connection_and
         assert info.value.host == 1
         with pytest.raises(SenderDiedError):
             await worker.wait_stopped()
-        assert worker.version == 0
+        assert worker.version == (0 if outcomes[2] == 0 else -1)  # what it had when the trainer went silent
     finally:
         await trainer.aclose()
         await relay.aclose()
