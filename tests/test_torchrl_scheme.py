@@ -8,6 +8,7 @@ The trainer calls ``init_on_sender``, starts spawned processes with the scheme p
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from asyncsync import SyncTimeoutError, WorkerLeftError  # noqa: E402
 from asyncsync.torchrl import AsyncSyncScheme  # noqa: E402
 from tests._torchrl_targets import VersionNet, held_worker, set_version  # noqa: E402
 
-CTX = mp.get_context("spawn")
+# The suite's forkserver (torch preloaded, tests/conftest.py), or spawn with
+# ASYNCSYNC_START_METHOD=spawn: the scheme pickles the same way under both.
+CTX = mp.get_context(os.environ.get("ASYNCSYNC_START_METHOD", "spawn"))
 REPLY_S = 120.0  # a spawned worker imports torch and torchrl first: slow on a loaded machine
 
 pytestmark = pytest.mark.timeout(300)
