@@ -272,6 +272,9 @@ class HostsCluster:
     def __init__(self, n: int, manual: bool, options: dict[str, Any]) -> None:
         self.manual = manual
         self.n = n
+        options = dict(options)
+        # options["poll"]: each host's worker 0 polls (``poll=True``), the others are event-driven.
+        self.polled_index = 0 if options.pop("poll", False) and not manual else None
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -316,7 +319,10 @@ class HostsCluster:
         relay = DistributedWeightSyncScheme(rank=h, **self.common)
         relay.init_on_relay(model=make_model(), num_workers=self.n)
         self.relays[h] = relay
-        joins = [asyncio.ensure_future(_start_worker(relay.local, i, self.manual, _recorder(self.seen, (h, i)))) for i in range(self.n)]
+        joins = [
+            asyncio.ensure_future(_start_worker(relay.local, i, self.manual, _recorder(self.seen, (h, i)), i == self.polled_index))
+            for i in range(self.n)
+        ]
         connecting = asyncio.ensure_future(relay.connect(timeout=SETTLE))
         holding = asyncio.ensure_future(asyncio.gather(*(self.held[o].wait() for o in self.gates)))
         try:
@@ -527,8 +533,8 @@ class ClusterMachine(RuleBasedStateMachine):
             transport = self.transports[0]
         self.manual = manual
         options: dict[str, Any] = dict(commit=commit, transfer_dtype=torch.bfloat16 if cast else None)
-        if (poll or self.always_poll) and transport == "local":
-            options["poll"] = True  # a polled worker among the local ones (see the poll rule)
+        if poll or self.always_poll:
+            options["poll"] = True  # a polled worker among the local ones, or on each host (see the poll rule)
         # local: 2-3 workers; hosts: 1-2 workers on each of the two hosts
         cluster = CLUSTERS[transport](n + 1 if transport == "local" else n, manual, options)
         self.cluster = cluster
@@ -607,11 +613,13 @@ class ClusterMachine(RuleBasedStateMachine):
         got = w.scheme.poll_nowait()
         assert got is None or (got > before and w.scheme.version == got), (wid, before, got)
         assert got is None or wid not in self.frozen, f"worker {wid} committed version {got} after it stopped receiving"
-        if got is not None and isinstance(self.cluster, LocalCluster):
-            sender = self.cluster.scheme.sender
+        if got is not None:
+            # its ack comes through the mailbox and the wake of its sender: the trainer's, or its host's relay
+            sender = self.cluster.scheme.sender if isinstance(self.cluster, LocalCluster) else self.cluster.relays[wid[0]].local.sender  # type: ignore[index]
+            idx = wid if isinstance(self.cluster, LocalCluster) else wid[1]  # type: ignore[index]
 
-            async def acked() -> None:  # its ack comes through the mailbox and the sender's wake
-                while sender.applied_versions()[wid] < got:
+            async def acked() -> None:
+                while sender.applied_versions()[idx] < got:
                     await asyncio.sleep(0)
 
             self.run(acked(), SETTLE)

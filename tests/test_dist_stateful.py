@@ -42,6 +42,19 @@ def test_dist_random_interleavings() -> None:
     assert run_machine(_settings(100, 20), ("hosts",)) >= 500
 
 
+@pytest.mark.timeout(300)
+def test_the_multi_host_state_machine_drives_polled_workers() -> None:
+    """Every example has a polled worker on each host (worker 0), committed only by the
+    machine's poll rule, beside an event-driven one when there are two per host."""
+    from asyncsync import _stateful
+
+    machine = type("PolledHosts", (ClusterMachine,), {"transports": ("hosts",), "always_poll": True})
+    ClusterMachine.steps = 0
+    _stateful._warm_up()
+    _stateful.run_without_leaks(machine, _settings(6, 15))
+    assert ClusterMachine.steps >= 6
+
+
 class _Hosts(ClusterMachine):
     transports = ("hosts",)
 
