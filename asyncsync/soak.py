@@ -1,6 +1,7 @@
 """Soak test: sends for minutes with random worker kills, restarts and cancellations.
 
-Run: ``python -m asyncsync.soak --minutes 2``. The last line reads
+Run: ``python -m asyncsync.soak --minutes 2`` (``--poll``: every other worker is a polled
+one, committing between its steps). The last line reads
 ``sends=N faults=N detected=N max_detect_ms=X leaks=N``; the exit status is non-zero if a
 fault went undetected, a worker ended on the wrong weights, or anything leaked.
 
@@ -43,16 +44,30 @@ def _model(n_params: int) -> nn.Module:
     return m
 
 
-async def _soak_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_params: int) -> int:
+async def _soak_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_params: int, poll: bool = False) -> int:
+    """Receive until stopped; with *poll*, odd workers commit only between their steps
+    (``poll_nowait()``), checking after each commit that the model is whole."""
+    poll = poll and worker_idx % 2 == 1
     torch.set_num_threads(1)
     model = _model(n_params)
-    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model, poll=poll)
     async with scheme:
+        if poll:
+            while not scheme.receiver.stopped:
+                if scheme.poll_nowait() is not None:
+                    _check_whole(worker_idx, model)
+                await asyncio.sleep(0.0005)  # a step of the worker's own work
         await scheme.wait_stopped()
     values = torch.cat([p.detach() for p in model.parameters()])
     if float(values.min()) != float(values.max()):
         raise AssertionError(f"worker {worker_idx} ended on mixed weights")
     return int(values[0])
+
+
+def _check_whole(worker_idx: int, model: nn.Module) -> None:
+    values = torch.cat([p.detach() for p in model.parameters()])
+    if float(values.min()) != float(values.max()):
+        raise AssertionError(f"worker {worker_idx} committed mixed weights")
 
 
 def _resources() -> tuple[set[str], set[str], int]:
@@ -61,22 +76,25 @@ def _resources() -> tuple[set[str], set[str], int]:
     return set(os.listdir("/proc/self/fd")), set(os.listdir("/dev/shm")), threading.active_count()
 
 
-async def soak(minutes: float = 2.0, workers: int = 2, n_params: int = 1_000_000, seed: int = 0, kill_every: float = 3.0) -> dict[str, float]:
-    """Run the soak; return its counters (see the module docstring)."""
+async def soak(
+    minutes: float = 2.0, workers: int = 2, n_params: int = 1_000_000, seed: int = 0, kill_every: float = 3.0, poll: bool = False
+) -> dict[str, float]:
+    """Run the soak; return its counters (see the module docstring). With *poll*, every
+    other worker (1, 3, ...) is a polled one (``init_on_receiver(..., poll=True)``)."""
     rng = random.Random(seed)
     fds0, shm0, threads0 = _resources()
     model = _model(n_params)
     scheme = MultiProcessWeightSyncScheme(timeout=20, on_worker_error="skip")
     scheme.init_on_sender(model=model, num_workers=workers)
     counters = {"sends": 0, "faults": 0, "detected": 0, "max_detect_ms": 0.0, "cancelled": 0, "leaks": 0, "wrong": 0}
-    deadline = time.monotonic() + minutes * 60
-    next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
     value = 0.0
-    group = spawn_workers(_soak_worker, workers, args=(scheme, n_params), scheme=scheme)
+    group = spawn_workers(_soak_worker, workers, args=(scheme, n_params, poll), scheme=scheme)
     try:
         group.start()
         await scheme.connect()
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + minutes * 60  # from the first weights on: start-up is not soaked
+        next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
+        while time.monotonic() < deadline or not counters["sends"]:
             value += 1.0
             with torch.no_grad():
                 for p in model.parameters():
@@ -135,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between worker kills")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--poll", action="store_true", help="every other worker polls (poll_nowait between its steps)")
     parser.add_argument("--stateful", action="store_true", help="also run the ownership state machine for --minutes")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    c = asyncio.run(soak(args.minutes, args.workers, args.params, args.seed, args.kill_every))
+    c = asyncio.run(soak(args.minutes, args.workers, args.params, args.seed, args.kill_every, args.poll))
     print(f"cancelled={c['cancelled']} wrong_final_weights={c['wrong']}")
     print(f"sends={c['sends']} faults={c['faults']} detected={c['detected']} max_detect_ms={c['max_detect_ms']:.1f} leaks={c['leaks']}")
     ok = c["detected"] == c["faults"] and c["leaks"] == 0 and c["wrong"] == 0

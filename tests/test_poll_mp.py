@@ -449,3 +449,13 @@ async def test_a_polled_worker_connects_when_its_mailbox_exists_before_the_initi
             version = await scheme.send()
             assert scheme.sender.applied_versions() == {0: version}  # and later ones through the mailbox
         assert await workers.join(START_S) == {0: version}
+
+
+async def test_the_soak_drives_polled_workers_beside_event_driven_ones() -> None:
+    """``python -m asyncsync.soak --poll``, briefly: worker 1 polls, worker 0 does not; kills,
+    restarts and cancelled sends; every kill detected, the final weights right, no leak."""
+    from asyncsync.soak import soak
+
+    c = await soak(minutes=0.1, workers=2, n_params=10_000, kill_every=2.0, poll=True)
+    assert c["sends"] > 0 and c["detected"] == c["faults"], c
+    assert c["wrong"] == 0 and c["leaks"] == 0, c
