@@ -54,6 +54,7 @@ class Committer:
         self.last_callback_error: str | None = None
         self.callback_tasks: set[asyncio.Task[Any]] = set()
         self._slot_versions: list[int] = []
+        self._unchecked: tuple[bool, bool] | None = None  # a commit's (viewed a slot, views one) until check_writes
         self.bucket: SlotBucket | None = None  # swap commits from slots: one storage swap
         self.segments: Mapping[int, Segment] = {}
 
@@ -76,9 +77,7 @@ class Committer:
         then keeps its version and *staged* is freed)."""
         t0 = time.perf_counter()
         targets = self.targets
-        # Versions recorded at the last commit stay valid while untouched: ``.data =`` keeps
-        # each parameter's own version counter as it was.
-        recorded = roles.live.slot is not None and self._check_untouched()
+        viewed_slot = roles.live.slot is not None  # (for check_writes, once acknowledged)
         try:
             if self.inference:
                 with torch.inference_mode():
@@ -93,12 +92,25 @@ class Committer:
             roles.committed(Weights(staged.version, roles.live.tensors, None), consumed=staged)
         if debug_enabled():
             roles.check({k: t.data for k, t in targets.items()})
-        if roles.live.slot is not None and not (recorded and self.kind == "swap"):
-            # Parameters now view a shared slot: remember their version counters to notice
-            # in-place writes (they would reach every worker reading that slot).
-            self._slot_versions = list(map(_version_of, targets.values()))
+        self._unchecked = (viewed_slot, roles.live.slot is not None)
         self.commit_s = time.perf_counter() - t0
         return None
+
+    def check_writes(self) -> None:
+        """After a commit's ack (off the path to it): say if the worker wrote in place into
+        weights that viewed a shared slot since the commit before, and remember the version
+        counters of those that view one now. Nothing ran between the commit and this call,
+        and ``.data =`` and a storage swap keep each parameter's own counter, so the answer
+        is the one a check before the commit would give."""
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is None:
+            return
+        viewed_slot, views_slot = unchecked
+        recorded = viewed_slot and self._check_untouched()
+        if views_slot and not (recorded and self.kind == "swap"):
+            # Parameters now view a shared slot: remember their version counters to notice
+            # in-place writes (they would reach every worker reading that slot).
+            self._slot_versions = list(map(_version_of, self.targets.values()))
 
     def _write(self, roles: BufferRoles, staged: Weights) -> None:
         """Point the model's tensors at *staged* (swap) or copy *staged* into them; raise

@@ -477,6 +477,7 @@ class Receiver:
         self._stage_s = staged.stage_s
         self._updates += 1
         self._ack(Ack(self.worker_idx, staged.version, True, None, roles.live.slot, staged.stage_s, committer.commit_s))
+        committer.check_writes()
         self._changed.notify()
         committer.run_callbacks(staged.version, self._layout)
         return True
