@@ -99,3 +99,37 @@ async def test_closed_schemes_still_referenced_hold_no_descriptor() -> None:
         async with open_loopback_hosts(nn.Linear(4, 2), lambda: nn.Linear(4, 2), timeout=WAIT_S) as lh:
             await lh.trainer.send()
     assert lh.hosts[1].relay is not None  # closed, and still held: its store connection is closed all the same
+
+
+def test_a_group_closed_while_busy_goes_when_its_operation_ends_after_its_loop_closed() -> None:
+    """A member closes its group while a receive still runs in it, and its program's loop
+    ends; the receive ends later (its peer goes), off any loop. The group must go then,
+    with its connections, as it does while the loop runs."""
+    import time
+
+    import torch
+
+    groups: list[SyncGroup] = []
+
+    async def main() -> None:
+        store = dist.HashStore()
+        groups.extend(await asyncio.gather(SyncGroup.create(store, 1, 0, 2, timeout=WAIT_S), SyncGroup.create(store, 1, 1, 2, timeout=WAIT_S)))
+        receiving = asyncio.ensure_future(groups[1].recv(torch.empty(16, dtype=torch.uint8), 0, tag=0))  # rank 0 never sends
+        await wait_all_tasks_blocked()
+        receiving.cancel()
+        await asyncio.wait([receiving])
+        groups[1].close()  # busy: kept until the receive ends
+        assert groups[1].busy
+
+    with no_leaks():
+        asyncio.run(main())  # the loop is closed from here on
+        sender, receiver = groups
+        sender.close()  # its peer gone, the receive ends (on the backend's thread)
+        deadline = time.monotonic() + WAIT_S
+        while receiver.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not receiver.busy, "the receive never ended"
+        for t in [t for t in threading.enumerate() if t.name == "asyncsync-group-close"]:
+            t.join(WAIT_S)
+        assert receiver.pg is None
+        groups.clear()

@@ -218,7 +218,10 @@ class SyncGroup:
             self._pending -= 1
             left[0] -= 1
             if left[0] == 0 and release is not None:
-                release()
+                try:
+                    release()
+                except RuntimeError:  # (only once the loop is closed: what it released is gone with it)
+                    logger.debug("asyncsync: releasing a buffer after its loop closed", exc_info=True)
             if self._pending == 0 and self._closed:
                 self._destroy(background=True)  # closed while busy: now it can go
 
@@ -413,6 +416,10 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+# Held by the backend's threads that finish operations after their loop closed.
+_OFF_LOOP = threading.Lock()
+
+
 def _drop_later(pg: Any) -> None:
     """Drop *pg* off the loop (an NCCL shutdown may wait for the device)."""
     threading.Thread(target=_drop, args=([pg],), name="asyncsync-group-close", daemon=True).start()
@@ -451,6 +458,16 @@ def _bridge(loop: asyncio.AbstractEventLoop, afut: asyncio.Future[None], done: C
 
     def from_any_thread(exc: BaseException | None) -> None:
         if not loop.is_closed():
-            loop.call_soon_threadsafe(settle, exc)
+            try:
+                loop.call_soon_threadsafe(settle, exc)
+                return
+            except RuntimeError:
+                pass  # closed meanwhile
+        # The loop is gone (its program ended while the backend still ran this operation,
+        # a receive from a peer that left, say): nobody awaits *afut*, but a group closed
+        # meanwhile must still go once its last operation ended, or its connections stay
+        # open for as long as the process lives.
+        with _OFF_LOOP:
+            done()
 
     return from_any_thread
