@@ -58,16 +58,15 @@ async def _soak_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_
                     _check_whole(worker_idx, model)
                 await asyncio.sleep(0.0005)  # a step of the worker's own work
         await scheme.wait_stopped()
+    return _check_whole(worker_idx, model)
+
+
+def _check_whole(worker_idx: int, model: nn.Module) -> int:
+    """The one value every weight holds; AssertionError if they hold several (mixed versions)."""
     values = torch.cat([p.detach() for p in model.parameters()])
     if float(values.min()) != float(values.max()):
-        raise AssertionError(f"worker {worker_idx} ended on mixed weights")
+        raise AssertionError(f"worker {worker_idx} runs mixed weights")
     return int(values[0])
-
-
-def _check_whole(worker_idx: int, model: nn.Module) -> None:
-    values = torch.cat([p.detach() for p in model.parameters()])
-    if float(values.min()) != float(values.max()):
-        raise AssertionError(f"worker {worker_idx} committed mixed weights")
 
 
 def _resources() -> tuple[set[str], set[str], int]:

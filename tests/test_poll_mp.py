@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from anyio import wait_all_tasks_blocked
 
 from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError, WorkerProcessError, spawn_workers
 from asyncsync._io._queues import AsyncQueue
@@ -416,7 +417,7 @@ async def _worker_that_says_hello_first(worker_idx: int, scheme: MultiProcessWei
     torch.set_num_threads(1)
     scheme.init_on_receiver(worker_idx=worker_idx, model=torch.nn.Linear(n_in, 2), poll=True)
     connecting = asyncio.ensure_future(scheme.connect())
-    await asyncio.sleep(0)  # connect() runs to its first await: Hello and Poll are written
+    await wait_all_tasks_blocked()  # connect() waits for its first weights: Hello and Poll are written
     hello_sent.set()
     try:
         await connecting  # returns only if the initial version arrived without a poll

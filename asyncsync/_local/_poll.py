@@ -4,9 +4,10 @@ version words in shared memory; and the wake that tells the sender an ack is the
 The sender writes ``(version, slot, skipped)`` into a 128-byte memfd segment of the
 worker's connection instead of sending a ``Receive``; the worker reads it between two
 steps (:meth:`Receiver.poll_nowait`) with no system call. The first version of a
-connection still goes as a ``Receive``: the worker's connect waits for it without polling. Ownership is as for ``Receive``:
-the mailbox names the one version in flight to this worker, written only once the
-previous one was answered, and its slot stays held until the worker's ack.
+connection still goes as a ``Receive``: the worker's connect waits for it without
+polling. Ownership is as for ``Receive``: the mailbox names the one version in flight to
+this worker, written only once the previous one was answered, and its slot stays held
+until the worker's ack.
 
 The worker writes the ack of a version it applied into the mailbox's second cache line,
 then writes the :class:`Wake`, one eventfd shared by every polled worker of the sender.
