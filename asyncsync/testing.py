@@ -664,6 +664,7 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
                 await scheme.send()
     """
     resource_tracker.ensure_running()  # started once per interpreter, and kept: not a leak
+    _open_uvloops_pipe()
     children0 = set(_descendants())
     fds0 = _fds()
     try:
@@ -681,6 +682,24 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
     problems += [f"file descriptor {fd} ({target}) left open" for fd, target in sorted(fds.items())]
     if problems:
         raise LeakError("asyncsync leak check: " + "; ".join(problems))
+
+
+_uvloop_primed = False
+
+
+def _open_uvloops_pipe() -> None:
+    """Where uvloop is installed, make (and close) one of its loops now: libuv's first loop in
+    a process opens a pipe kept for the process's life (its signal lock), which would
+    otherwise count as a leak of the block that made the process's first uvloop loop."""
+    global _uvloop_primed
+    if _uvloop_primed:
+        return
+    _uvloop_primed = True
+    try:
+        import uvloop
+    except ImportError:
+        return
+    uvloop.new_event_loop().close()
 
 
 def _new_fds(before: Mapping[int, str]) -> dict[int, str]:
