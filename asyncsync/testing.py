@@ -537,6 +537,7 @@ class ProcessWorkers(WorkerGroup):
         self._killed.discard(idx)  # a replacement is expected to live
 
     def kill(self, worker_idx: int) -> None:
+        self._process(worker_idx, "kill")  # a bad index or a closed group: nothing recorded
         self._killed.add(worker_idx)
         super().kill(worker_idx)
 

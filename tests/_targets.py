@@ -218,3 +218,14 @@ async def kind_from_file_worker(worker_idx: int, scheme: MultiProcessWeightSyncS
     with open(path) as f:
         kind = f.read().strip()
     return await simple_worker(worker_idx, scheme, kind)
+
+
+async def silent_from_file_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, path: str) -> int | None:
+    """simple_worker, unless the file *path* says "silent" when it starts: then it never
+    connects (a test writes it before a restart, to get a replacement that stays silent)."""
+    with open(path) as f:
+        silent = f.read().strip() == "silent"
+    if silent:
+        await asyncio.Event().wait()  # until the process is killed
+        return None
+    return await simple_worker(worker_idx, scheme)

@@ -46,7 +46,7 @@ import aiomultiprocess
 import anyio
 from aiomultiprocess.types import Unit
 
-from .._errors import AsyncSyncError, BrokenChannelError, SyncTimeoutError, WorkerProcessError, WouldBlock
+from .._errors import AsyncSyncError, BrokenChannelError, ClosedError, SyncTimeoutError, WorkerProcessError, WouldBlock
 from .._io._queues import AsyncQueue
 
 __all__ = ["WorkerGroup", "spawn_workers"]
@@ -444,9 +444,20 @@ class WorkerGroup:
 
     # -------------------------------------------------------------- control
 
+    def _process(self, worker_idx: int, what: str) -> aiomultiprocess.Process:
+        """The process of *worker_idx*, for *what* (a method's name): a ValueError names an
+        index that is not one of the group's, a ClosedError a group already closed."""
+        if worker_idx not in self.worker_ids:
+            raise ValueError(f"{what}: no worker {worker_idx!r} in this group; its workers: {', '.join(map(str, self.worker_ids))}")
+        if self._closed:
+            raise ClosedError(f"{what}({worker_idx!r}): the worker group is closed")
+        if worker_idx not in self.processes:
+            raise RuntimeError(f"{what}({worker_idx!r}): the worker group has not started (use async with, or start())")
+        return self.processes[worker_idx]
+
     def kill(self, worker_idx: int) -> None:
         """SIGKILL one worker (for fault-injection tests and soak runs)."""
-        self.processes[worker_idx].kill()
+        self._process(worker_idx, "kill").kill()
 
     async def restart(self, worker_idx: int, *, timeout: float = 10.0) -> None:
         """Replace a dead worker: wait until the scheme noticed, then spawn a new one.
@@ -454,9 +465,12 @@ class WorkerGroup:
         The new process receives the scheme with a fresh channel for ``worker_idx``
         and gets the latest weights when it connects; the other workers are untouched.
         With a scheme, returns once the replacement has applied those weights (*timeout*
-        bounds each wait after the process started; starting is bounded by ``start_timeout``).
+        bounds each wait after the process started; starting is bounded by ``start_timeout``):
+        :class:`SyncTimeoutError` naming the worker when the replacement does not connect in
+        time. Raises ``ValueError`` for an index that is not one of the group's,
+        :class:`ClosedError` once the group is closed.
         """
-        old = self.processes[worker_idx]
+        old = self._process(worker_idx, "restart")
         if old.is_alive():
             old.kill()
         await self._wait_exit(worker_idx, timeout)
