@@ -1,4 +1,5 @@
-"""A worker process that never connects its receiver: the trainer's timeout says so (processes)."""
+"""Newcomers' mistakes and surprises across processes: a worker that never connects its
+receiver (the trainer's timeout says so), a worker that retries its connect."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, spawn_workers
+from asyncsync import AsyncQueue, MultiProcessWeightSyncScheme, SyncTimeoutError, spawn_workers
 from tests._targets import make_model
 
 
@@ -39,3 +40,44 @@ async def test_a_worker_that_never_connects_its_receiver_is_named_with_the_fix()
     assert "the worker lacks `async with scheme` (or `await scheme.connect()`) after `init_on_receiver`" in message, message
     (pid_seen,) = info.value.never_connected.values()
     assert pid_seen == pid and f"worker 0 (pid {pid})" in message.lower()
+
+
+async def retrying_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, report: Any) -> tuple[list[str], int]:
+    """Connects before the trainer does: a connect that times out, one that is cancelled,
+    then ``async with scheme`` (a third connect), which must get the weights."""
+    scheme.init_on_receiver(worker_idx=worker_idx, model=make_model())
+    seen = []
+    try:
+        await scheme.connect(timeout=0.2)
+    except SyncTimeoutError as exc:
+        seen.append(f"timeout: {exc}")
+    try:
+        await asyncio.wait_for(scheme.connect(timeout=None), 0.2)
+    except asyncio.TimeoutError as exc:
+        seen.append(f"cancelled: {type(exc).__name__}")
+    q: AsyncQueue[Any] = AsyncQueue(report)
+    await q.put("retrying")
+    async with scheme:
+        await scheme.wait_stopped()
+    return seen, scheme.version
+
+
+@pytest.mark.timeout(240)
+async def test_a_workers_connect_can_be_retried_after_a_timeout_or_a_cancellation() -> None:
+    ours, theirs = mp.get_context("spawn").Pipe()
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    scheme.init_on_sender(model=model, num_workers=1)
+    q: AsyncQueue[Any] = AsyncQueue(ours)
+    try:
+        async with spawn_workers(retrying_worker, 1, args=(scheme, theirs), scheme=scheme) as workers:
+            theirs.close()
+            assert await q.get(timeout=60) == "retrying"  # its first two connects gave up
+            async with scheme:
+                await scheme.send()
+    finally:
+        await q.aclose()
+        await scheme.aclose()
+    seen, version = workers.results[0]
+    assert version == 1
+    assert seen == ["timeout: worker 0 waiting for its initial weights timed out after 0.2 s; no answer from worker 0 (at version -1)", "cancelled: TimeoutError"], seen
