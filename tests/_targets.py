@@ -229,3 +229,12 @@ async def silent_from_file_worker(worker_idx: int, scheme: MultiProcessWeightSyn
         await asyncio.Event().wait()  # until the process is killed
         return None
     return await simple_worker(worker_idx, scheme)
+
+
+async def strict_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, expected: int) -> int:
+    """simple_worker that raises if the trainer stopped it before version *expected*: a worker
+    that fails only because the trainer's block ended early."""
+    version = await simple_worker(worker_idx, scheme)
+    if version != expected:
+        raise AssertionError(f"worker {worker_idx} was stopped at version {version}, not {expected}")
+    return version

@@ -46,7 +46,7 @@ import aiomultiprocess
 import anyio
 from aiomultiprocess.types import Unit
 
-from .._errors import AsyncSyncError, BrokenChannelError, ClosedError, SyncTimeoutError, WorkerProcessError, WouldBlock
+from .._errors import BrokenChannelError, ClosedError, SyncTimeoutError, WorkerProcessError, WouldBlock
 from .._io._queues import AsyncQueue
 
 __all__ = ["WorkerGroup", "spawn_workers"]
@@ -408,15 +408,17 @@ class WorkerGroup:
         failures = self._failures()
         if not failures:
             return
-        if isinstance(exc, AsyncSyncError) and not isinstance(exc, WorkerProcessError):
-            # Most likely a consequence (the worker died, so a send failed): the worker's own
-            # error is what the user needs to see; that of the worker the trainer's error
-            # names, not another's that failed only because the block ended.
+        if isinstance(exc, BrokenChannelError) and not isinstance(exc, WorkerProcessError):
+            # The block failed because a worker's channel broke (it died, so a send failed):
+            # that worker's own error is what the user needs to see. Only the worker the
+            # trainer's error names: another's failed only because the block ended, and any
+            # other error of the trainer (its own mistake, a timeout) is the trainer's to see.
             named = getattr(exc, "worker_idx", None)
-            err = next((f for f in failures if f.worker_idx == named), failures[0])
-            if hasattr(err, "add_note"):
-                err.add_note(f"(the trainer saw: {type(exc).__name__}: {exc})")
-            raise err
+            err = next((f for f in failures if f.worker_idx == named), None)
+            if err is not None:
+                if hasattr(err, "add_note"):
+                    err.add_note(f"(the trainer saw: {type(exc).__name__}: {exc})")
+                raise err
         if hasattr(exc, "add_note"):  # Python 3.11+
             for err in failures:
                 exc.add_note(f"meanwhile, in a worker process: {err}")
@@ -615,7 +617,8 @@ def spawn_workers(
     faster to start). ``async with`` returns once every process runs *fn*, within
     *start_timeout* seconds; a worker that raises is reported as :class:`WorkerProcessError`
     with its exception's type, message and traceback, also when the block fails because
-    that worker died.
+    that worker died; when the block fails for any other reason, its own error leaves the
+    block, each worker's failure added to it as a note (Python 3.11+).
     Each worker runs *fn* on a fresh event loop made by *loop_factory* (it must pickle,
     e.g. ``uvloop.new_event_loop``); by default, the kind of loop ``spawn_workers`` is
     called from: uvloop's under uvloop, else asyncio's.
