@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
+from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, loopback_worker
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 
@@ -137,3 +137,23 @@ async def test_a_worker_that_said_hello_gets_no_hint() -> None:
                 await scheme.send(timeout=0.2)
         assert re.search(r"timed out after \d+\.\d+ s; no answer from worker 0 \(at version 0\)$", str(info.value)), str(info.value)
         assert info.value.never_connected == {} and "hello" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["cuda:x", "gpu", ""])
+async def test_a_device_string_torch_cannot_read_is_named_before_anything_starts(bad: str) -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    named = rf"^worker 1: {re.escape(repr(bad))} is not a device \(such as 'cpu', 'cuda' or 'cuda:0'\)"
+    with pytest.raises(ValueError, match=named):
+        scheme.init_on_sender(model=model, devices=["cpu", bad])
+    with pytest.raises(ValueError, match=named):
+        scheme.init_on_sender(model=model, devices={0: "cpu", 1: bad})
+    with pytest.raises(TypeError, match=r"^worker 1: a device is a torch.device or a string such as 'cuda:0', got float 3.5"):
+        scheme.init_on_sender(model=model, devices=["cpu", 3.5])
+    scheme.init_on_sender(model=model, devices=["cpu", torch.device("cpu")])  # nothing was left half set up
+    worker = loopback_worker(scheme, 1)
+    with pytest.raises(ValueError, match=named):
+        worker.init_on_receiver(worker_idx=1, model=make_model(), device=bad)
+    worker.init_on_receiver(worker_idx=1, model=make_model(), device="cpu")
+    await scheme.aclose()
+    await worker.aclose()

@@ -206,7 +206,7 @@ class MultiProcessWeightSyncScheme:
         if devices is not None:
             seq = devices if isinstance(devices, Mapping) else dict(zip(ids, devices))
             for i in ids:
-                device_of[i] = str(_check_device(torch.device(seq[i]), f"worker {i}"))
+                device_of[i] = str(_parse_device(seq[i], f"worker {i}"))
 
         if params_map is not None:
             flat_map = {i: to_flat(params_map[i]) for i in ids}
@@ -402,7 +402,7 @@ class MultiProcessWeightSyncScheme:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if device is not None:
-            _check_device(torch.device(device), f"worker {worker_idx}")
+            device = _parse_device(device, f"worker {worker_idx}")
         if self._attach is not None:
             if worker_idx is not None and worker_idx != self._attach[1]:
                 raise ValueError(f"this scheme attaches as worker {self._attach[1]}, not {worker_idx}")
@@ -637,6 +637,20 @@ class _SharedFd:
 
         with resource_sharer._resource_sharer.get_connection(self._id) as conn:  # type: ignore[attr-defined]
             return int(reduction.recv_handle(conn))
+
+
+def _parse_device(value: Any, who: str) -> torch.device:
+    """*value* (a ``torch.device`` or its string) as a device usable here, before anything
+    starts: a string torch does not read is a ValueError naming it, another type a TypeError."""
+    if isinstance(value, torch.device):
+        return _check_device(value, who)
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        if isinstance(value, str):
+            raise ValueError(f"{who}: {value!r} is not a device (such as 'cpu', 'cuda' or 'cuda:0'): {exc}") from None
+        raise TypeError(f"{who}: a device is a torch.device or a string such as 'cuda:0', got {type(value).__name__} {value!r}") from None
+    return _check_device(device, who)
 
 
 def _check_device(device: torch.device, who: str) -> torch.device:
