@@ -238,3 +238,11 @@ async def strict_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, e
     if version != expected:
         raise AssertionError(f"worker {worker_idx} was stopped at version {version}, not {expected}")
     return version
+
+
+async def always_zero_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+    """The mistake of a worker function that ignores its worker_idx: every process claims worker 0."""
+    scheme.init_on_receiver(worker_idx=0, model=make_model())
+    async with scheme:
+        await scheme.wait_stopped()
+    return scheme.version

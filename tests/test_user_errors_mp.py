@@ -1,16 +1,18 @@
 """Newcomers' mistakes and surprises across processes: a worker that never connects its
-receiver (the trainer's timeout says so), a worker that retries its connect."""
+receiver (the trainer's timeout says so), a worker that retries its connect, two processes
+that claim one worker index."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import re
 from typing import Any
 
 import pytest
 
-from asyncsync import AsyncQueue, MultiProcessWeightSyncScheme, SyncTimeoutError, spawn_workers
-from tests._targets import make_model
+from asyncsync import AsyncQueue, MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, spawn_workers
+from tests._targets import always_zero_worker, make_model
 
 
 async def unconnected_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, done: Any) -> None:
@@ -81,3 +83,23 @@ async def test_a_workers_connect_can_be_retried_after_a_timeout_or_a_cancellatio
     seen, version = workers.results[0]
     assert version == 1
     assert seen == ["timeout: worker 0 waiting for its initial weights timed out after 0.2 s; no answer from worker 0 (at version -1)", "cancelled: TimeoutError"], seen
+
+
+@pytest.mark.timeout(240)
+async def test_two_processes_claiming_one_worker_index_are_named() -> None:
+    # A worker function that ignores the index it was given: both processes take worker 0's
+    # channel. The trainer cuts it at the second hello and says why, naming the index.
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    scheme.init_on_sender(model=make_model(), num_workers=2)
+    with pytest.raises(WorkerDiedError) as info:
+        async with spawn_workers(always_zero_worker, 2, args=(scheme,), scheme=scheme):
+            async with scheme:
+                await scheme.send()
+    err = info.value
+    assert err.worker_idx == 0
+    assert re.match(
+        r"worker 0 \(pid \d+\) was cut off: a second process \(pid \d+\) connected as worker 0 on the channel of worker 0 "
+        r"\(pid \d+\); only one process can be worker 0: call init_on_receiver\(worker_idx=\.\.\.\) with the index each "
+        r"worker process was started with",
+        str(err),
+    ), str(err)

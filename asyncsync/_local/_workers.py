@@ -46,7 +46,7 @@ import aiomultiprocess
 import anyio
 from aiomultiprocess.types import Unit
 
-from .._errors import BrokenChannelError, ClosedError, SyncTimeoutError, WorkerProcessError, WouldBlock
+from .._errors import BrokenChannelError, ClosedError, SyncTimeoutError, WorkerDiedError, WorkerProcessError, WouldBlock
 from .._io._queues import AsyncQueue
 
 __all__ = ["WorkerGroup", "spawn_workers"]
@@ -408,7 +408,8 @@ class WorkerGroup:
         failures = self._failures()
         if not failures:
             return
-        if isinstance(exc, BrokenChannelError) and not isinstance(exc, WorkerProcessError):
+        cut_off = type(exc) is WorkerDiedError and exc.reason is not None  # by the trainer: its reason is the news
+        if isinstance(exc, BrokenChannelError) and not isinstance(exc, WorkerProcessError) and not cut_off:
             # The block failed because a worker's channel broke (it died, so a send failed):
             # that worker's own error is what the user needs to see. Only the worker the
             # trainer's error names: another's failed only because the block ended, and any
