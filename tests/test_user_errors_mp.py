@@ -1,18 +1,19 @@
 """Newcomers' mistakes and surprises across processes: a worker that never connects its
 receiver (the trainer's timeout says so), a worker that retries its connect, two processes
-that claim one worker index."""
+that claim one worker index, a scheme sent to workers before init_on_sender."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import pickle
 import re
 from typing import Any
 
 import pytest
 
 from asyncsync import AsyncQueue, MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, spawn_workers
-from tests._targets import always_zero_worker, make_model
+from tests._targets import always_zero_worker, make_model, simple_worker
 
 
 async def unconnected_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, done: Any) -> None:
@@ -103,3 +104,20 @@ async def test_two_processes_claiming_one_worker_index_are_named() -> None:
         r"worker process was started with",
         str(err),
     ), str(err)
+
+
+BEFORE_INIT = r"this scheme was pickled \(sent to a worker\) before init_on_sender\(\) was called on it.*call scheme.init_on_sender\(\.\.\.\) in the trainer first"
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_a_scheme_sent_to_workers_before_init_on_sender_says_so_before_they_start(start_method: str) -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=30)  # init_on_sender forgotten
+    group = spawn_workers(simple_worker, 2, args=(scheme,), start_method=start_method)
+    with pytest.raises(RuntimeError, match=BEFORE_INIT):
+        async with group:
+            pass
+    assert group.processes == {}  # none started (the suite's leak check: none left either)
+    # Another pickler than a process start (Ray's, a queue): the worker's init_on_receiver says it.
+    worker = pickle.loads(pickle.dumps(scheme))
+    with pytest.raises(RuntimeError, match=BEFORE_INIT):
+        worker.init_on_receiver(worker_idx=0, model=make_model())

@@ -146,7 +146,11 @@ class MultiProcessWeightSyncScheme:
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_sender", "_receiver", "_listener")}
         ends = self._sender.child_endpoints() if self._sender is not None else dict(self._endpoints)
+        uninitialised = self._sender is None and self._receiver is None and self._attach is None and not ends
+        if uninitialised and mp.context.get_spawning_popen() is not None:
+            raise RuntimeError(_BEFORE_INIT)  # a process being started: say so here, before it runs
         state["_endpoints"] = {i: _Endpoint(c) for i, c in ends.items()}
+        state["_before_init"] = uninitialised  # another pickler (Ray...): the worker says so
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -413,6 +417,8 @@ class MultiProcessWeightSyncScheme:
         if poll and self.commit_mode == "manual":
             raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         conn = self._endpoints.pop(worker_idx, None)
+        if conn is None and getattr(self, "_before_init", False):
+            raise RuntimeError(_BEFORE_INIT)
         if conn is None:
             raise ValueError(f"no channel for worker {worker_idx}; this scheme carries workers {sorted(self._endpoints)}")
         for other in self._endpoints.values():
@@ -567,6 +573,12 @@ class MultiProcessWeightSyncScheme:
     async def wait_stopped(self) -> None:
         """Worker: wait for ``stop``; raises :class:`SenderDiedError` if the trainer died."""
         await self.receiver.wait_stopped()
+
+
+_BEFORE_INIT = (
+    "this scheme was pickled (sent to a worker) before init_on_sender() was called on it, so it carries no "
+    "worker channels: call scheme.init_on_sender(...) in the trainer first, then start the workers with the scheme"
+)
 
 
 class _Endpoint:

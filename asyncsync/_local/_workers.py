@@ -298,6 +298,10 @@ class WorkerGroup:
         )
         try:
             proc.start()
+        except BaseException:
+            results_r.close()  # (it never started: nothing of it is kept)
+            lifeline_w.close()
+            raise
         finally:
             results_w.close()
             lifeline_r.close()
@@ -394,8 +398,8 @@ class WorkerGroup:
                     break
 
     async def __aenter__(self) -> WorkerGroup:
-        self.start()
         try:
+            self.start()  # (a worker whose arguments do not pickle fails here: the others go too)
             await self.wait_started(self.start_timeout)
         except BaseException:
             await self.aclose(grace=0.0)
