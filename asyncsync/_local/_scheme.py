@@ -36,6 +36,7 @@ from torch import nn
 from .._core._deadline import Deadline
 from .._core._source import configured_source
 from .._core._strategy import Strategy, as_user_weights, resolve_model, to_flat
+from .._errors import ClosedError
 from .._io._slots import SlotPool
 from .._io._staging import device_problem
 from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
@@ -305,7 +306,8 @@ class MultiProcessWeightSyncScheme:
         else a random one). Returns the :class:`WorkerAddress` to hand to the workers
         (``str(address)`` or ``address.env()``); each calls :meth:`attach` with it. Call it
         before ``connect()`` (which waits for every worker) or later; it accepts until
-        :meth:`aclose`, which removes the socket file. A restarted worker attaches again.
+        :meth:`aclose`, which removes the socket file (after it, ``listen()`` raises
+        :class:`ClosedError`). A restarted worker attaches again.
 
         Example::
 
@@ -316,6 +318,8 @@ class MultiProcessWeightSyncScheme:
                 await scheme.send()
         """
         sender = self.sender
+        if sender._state in ("closing", "closed"):
+            raise ClosedError("listen(): the scheme is closed (aclose() was called); no worker can attach to it")
         if self._listener is not None:
             raise RuntimeError(f"this scheme already listens at {self._listener.address.path}")
         options = {"strategy": self.strategy, "commit": self.commit_kind, "commit_mode": self.commit_mode, "timeout": self.timeout}
