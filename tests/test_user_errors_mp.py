@@ -1,6 +1,7 @@
 """Newcomers' mistakes and surprises across processes: a worker that never connects its
 receiver (the trainer's timeout says so), a worker that retries its connect, two processes
-that claim one worker index, a scheme sent to workers before init_on_sender."""
+that claim one worker index, a scheme sent to workers before init_on_sender, more
+workers than the scheme has."""
 
 from __future__ import annotations
 
@@ -121,3 +122,14 @@ async def test_a_scheme_sent_to_workers_before_init_on_sender_says_so_before_the
     worker = pickle.loads(pickle.dumps(scheme))
     with pytest.raises(RuntimeError, match=BEFORE_INIT):
         worker.init_on_receiver(worker_idx=0, model=make_model())
+
+
+async def test_more_workers_than_the_scheme_has_is_refused_before_any_starts() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=make_model(), num_workers=2)
+    with pytest.raises(ValueError, match=r"^worker 2 to start, but the scheme has workers 0, 1 \(init_on_sender gave it 2\)"):
+        spawn_workers(simple_worker, 3, args=(scheme,), scheme=scheme)
+    with pytest.raises(ValueError, match=r"^workers 5, 7 to start, but the scheme has workers 0, 1"):
+        spawn_workers(simple_worker, worker_ids=[0, 5, 7], args=(scheme,), scheme=scheme)
+    assert spawn_workers(simple_worker, 1, args=(scheme,), scheme=scheme).worker_ids == [0]  # fewer is fine
+    await scheme.aclose()

@@ -48,6 +48,7 @@ from aiomultiprocess.types import Unit
 
 from .._errors import BrokenChannelError, ClosedError, SyncTimeoutError, WorkerDiedError, WorkerProcessError, WouldBlock
 from .._io._queues import AsyncQueue
+from ._scheme import MultiProcessWeightSyncScheme
 
 __all__ = ["WorkerGroup", "spawn_workers"]
 
@@ -257,6 +258,7 @@ class WorkerGroup:
             worker_ids = range(num_workers)
         self.fn = fn
         self.worker_ids = list(worker_ids)
+        _check_scheme_has(scheme, self.worker_ids)
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
         self.scheme = scheme
@@ -555,6 +557,21 @@ class WorkerGroup:
                     p.close()
                 except ValueError:
                     pass
+
+
+def _check_scheme_has(scheme: Any, worker_ids: list[int]) -> None:
+    """Before any process starts: every worker to start must be one of *scheme*'s (a scheme
+    has one channel per worker id it was given at ``init_on_sender``)."""
+    if not isinstance(scheme, MultiProcessWeightSyncScheme) or scheme._sender is None:
+        return
+    known = scheme._sender.worker_ids
+    extra = [i for i in worker_ids if i not in known]
+    if extra:
+        listed = ", ".join(map(str, sorted(known)))
+        raise ValueError(
+            f"worker{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))} to start, but the scheme has workers {listed} "
+            f"(init_on_sender gave it {len(known)}): start at most those, or give init_on_sender more"
+        )
 
 
 class _Outcome:
