@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -157,3 +159,20 @@ async def test_a_device_string_torch_cannot_read_is_named_before_anything_starts
     worker.init_on_receiver(worker_idx=1, model=make_model(), device="cpu")
     await scheme.aclose()
     await worker.aclose()
+
+
+async def test_watch_process_given_a_popen_says_what_it_takes() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        with pytest.raises(TypeError, match=r"^watch_process\(worker 0\): expected a multiprocessing.Process .*got subprocess.Popen: .*attach by address"):
+            scheme.watch_process(0, proc)
+        with pytest.raises(TypeError, match=r"got builtins.int$"):
+            scheme.watch_process(0, proc.pid)
+    finally:
+        proc.communicate()
+    with pytest.raises(SyncTimeoutError) as info:
+        await scheme.connect(timeout=0.05)
+    assert info.value.never_connected == {0: None}  # no process was recorded for it
+    await scheme.aclose()
