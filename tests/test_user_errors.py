@@ -176,3 +176,10 @@ async def test_watch_process_given_a_popen_says_what_it_takes() -> None:
         await scheme.connect(timeout=0.05)
     assert info.value.never_connected == {0: None}  # no process was recorded for it
     await scheme.aclose()
+
+
+def test_a_timeouts_hint_is_in_its_message_and_survives_pickling() -> None:
+    err = SyncTimeoutError("worker 0 waiting for version 2", {0: 1}, 0.5, hint="Worker 0 is polled")
+    assert str(err) == "worker 0 waiting for version 2 timed out after 0.5 s; no answer from worker 0 (at version 1). Worker 0 is polled"
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err) and back.hint == "Worker 0 is polled"

@@ -189,7 +189,9 @@ class Receiver:
 
     async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Wait until the model runs *version* or newer, or has it staged (manual mode);
-        return the version the model runs."""
+        return the version the model runs. On a polled receiver (``poll=True``) only
+        :meth:`poll_nowait` applies versions: something else must poll meanwhile (a
+        timeout says so)."""
         limit = resolve_timeout(timeout, self.timeout)
 
         def reached() -> bool:
@@ -198,7 +200,16 @@ class Receiver:
             return self._version >= version or staged or self._ended()
 
         if not await self._changed.wait_until(reached, limit):
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)
+            hint = ""
+            if self.polled:
+                hint = (
+                    f"Worker {self.worker_idx} is polled (init_on_receiver(..., poll=True)): its model takes a new version only "
+                    "in poll_nowait(), which wait_for_version() does not call. Call scheme.poll_nowait() between the worker's "
+                    "steps (and wait in another task), or poll until it returns the version (see docs/polling.md)"
+                )
+            raise SyncTimeoutError(
+                f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit, hint=hint
+            )
         return self._version
 
     def commit(self) -> int | None:
