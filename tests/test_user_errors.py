@@ -137,3 +137,35 @@ async def test_a_worker_that_said_hello_gets_no_hint() -> None:
                 await scheme.send(timeout=0.2)
         assert re.search(r"timed out after \d+\.\d+ s; no answer from worker 0 \(at version 0\)$", str(info.value)), str(info.value)
         assert info.value.never_connected == {} and "hello" not in str(info.value)
+
+
+BAD_TIMEOUTS = [-1, -0.5, float("nan"), "5", True]
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+async def test_a_bad_timeout_is_refused_before_anything_is_sent(bad: Any) -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, make_model) as lb:
+        fill_(trainer, 2.0)
+        for call in (
+            lambda: scheme.send(timeout=bad),
+            lambda: scheme.send_async(timeout=bad),
+            lambda: scheme.wait_async(timeout=bad),
+            lambda: lb.workers[0].wait_for_version(1, timeout=bad),
+        ):
+            with pytest.raises(ValueError, match=re.escape(f"timeout must be a number of seconds >= 0, or None for no bound; got {bad!r}")):
+                await call()
+        assert scheme.version == 0 and lb.workers[0].version == 0  # nothing was sent
+        assert await scheme.send(timeout=0.0 + 10) == 1  # the scheme goes on
+        assert lb.workers[0].version == 1
+
+
+async def test_a_bad_timeout_is_refused_on_the_multi_host_trainer() -> None:
+    async with open_loopback_hosts(make_model(), make_model, hosts={1: 1}, timeout=30) as lh:
+        for call in (lambda: lh.trainer.send(timeout=-1), lambda: lh.trainer.wait_async(timeout=float("nan"))):
+            with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+                await call()
+        assert lh.trainer.version == 0
+        assert await lh.trainer.send() == 1

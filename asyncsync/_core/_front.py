@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError
-from .._options import DEFAULT, Timeout, UseDefault
+from .._options import DEFAULT, Timeout, UseDefault, checked_timeout
 from ._acks import AckTracker, WorkerRecord
 from ._deadline import Deadline, locked_within
 from ._layout import Layout
@@ -154,7 +154,7 @@ class SenderCore(Generic[W, R]):
             return self.timeout
         if timeout.__class__ is Deadline:
             return timeout.remaining()  # type: ignore[union-attr]
-        return timeout  # type: ignore[return-value]
+        return checked_timeout(timeout)  # type: ignore[arg-type]
 
     def _deadline(self, timeout: Timeout | Deadline) -> Deadline:
         """*timeout* as a :class:`Deadline` (one given is passed on, so a whole call keeps one)."""
