@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
+from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 
@@ -137,3 +137,19 @@ async def test_a_worker_that_said_hello_gets_no_hint() -> None:
                 await scheme.send(timeout=0.2)
         assert re.search(r"timed out after \d+\.\d+ s; no answer from worker 0 \(at version 0\)$", str(info.value)), str(info.value)
         assert info.value.never_connected == {} and "hello" not in str(info.value)
+
+
+@pytest.mark.parametrize("timeout", [0.01, 1, 4.9, 60, None])
+def test_any_valid_timeout_makes_a_multi_host_scheme_with_a_derived_silence_timeout(timeout: float | None) -> None:
+    scheme = DistributedWeightSyncScheme(timeout=timeout)  # silence_timeout left to its default
+    assert scheme.silence_timeout == (None if timeout is None else max(timeout, 5 * scheme.heartbeat))
+    relay_side = DistributedWeightSyncScheme(**scheme._relay_kwargs())  # a relay started for it (Ray) takes it as is
+    assert relay_side.silence_timeout == scheme.silence_timeout
+
+
+def test_an_explicit_silence_timeout_not_longer_than_the_heartbeat_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=re.escape("silence_timeout (1) must be longer than heartbeat (1.0)")):
+        DistributedWeightSyncScheme(timeout=60, silence_timeout=1)
+    assert DistributedWeightSyncScheme(timeout=1, heartbeat=0.1, silence_timeout=0.5).silence_timeout == 0.5
+    assert DistributedWeightSyncScheme(timeout=1, silence_timeout=None).silence_timeout is None
+

@@ -54,6 +54,9 @@ from ._sender import DistSender, WorkerId
 
 __all__ = ["DistributedWeightSyncScheme"]
 
+SILENCE_BEATS = 5
+"""The default ``silence_timeout`` is at least this many heartbeat periods."""
+
 
 
 class DistributedWeightSyncScheme:
@@ -74,7 +77,8 @@ class DistributedWeightSyncScheme:
         chunk_bytes: the size of one network transfer chunk (default 64 MiB).
         heartbeat: seconds between heartbeats.
         silence_timeout: a peer that sent nothing, heartbeats included, for this long is
-            gone (default: ``timeout``; ``None`` with ``timeout=None``: only EOF counts). A
+            gone (default: ``max(timeout, 5 * heartbeat)``; ``None`` with ``timeout=None``:
+            only EOF counts; an explicit value must be longer than ``heartbeat``). A
             killed process is noticed at once anyway (its connection ends); this is for
             partitions and hung hosts. Heartbeats come from a thread of each control
             connection, not from the event loop: a loop blocked by a long synchronous
@@ -162,9 +166,14 @@ class DistributedWeightSyncScheme:
         self.bind = bind or self.master_addr
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
-        self.silence_timeout = resolve_timeout(silence_timeout, timeout)
-        if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
-            raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
+        # the default is derived, so that any valid timeout works: at least SILENCE_BEATS heartbeats
+        derived = None if timeout is None else max(timeout, SILENCE_BEATS * heartbeat)
+        self.silence_timeout = resolve_timeout(silence_timeout, derived)
+        if self.silence_timeout is not None and not self.silence_timeout > heartbeat:  # only an explicit one can be
+            raise ValueError(
+                f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat}): a peer beats every"
+                f" heartbeat seconds; leave silence_timeout unset for max(timeout, {SILENCE_BEATS} x heartbeat)"
+            )
         self.backend = backend
         self.device = torch.device(device) if device is not None else None
         self._wire_device: torch.device | None = None  # gloo: host memory (a test may set a CUDA one)
