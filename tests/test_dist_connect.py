@@ -247,3 +247,38 @@ async def test_a_relay_the_trainer_refuses_is_told_why(host: int, num_workers: i
         for s in (wrong, *wrong_workers, relay, worker):
             await s.aclose()
 
+
+async def test_a_rank_that_is_its_own_worker_can_poll() -> None:
+    """``init_on_receiver(model=..., poll=True)`` on a rank that is its own worker: its
+    local receiver is a polled one behind its relay; versions switch only inside
+    ``poll_nowait()``, and the trainer's send returns once it polled."""
+    common = _common(free_port())
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    model = make_model()
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    policy = make_model()
+    rank = DistributedWeightSyncScheme(rank=1, **common)
+    rank.init_on_receiver(model=policy, poll=True)
+    try:
+        await asyncio.gather(trainer.connect(), rank.connect())
+        assert rank.version == 0 and rank.poll_nowait() is None  # nothing new
+        for k in (1, 2):
+            fill_(model, float(k))
+            sending = asyncio.ensure_future(trainer.send())
+            while (got := rank.poll_nowait()) is None:
+                await asyncio.sleep(0.001)
+            assert got == k and rank.version == k and rank.receiver is rank.worker.receiver
+            assert all(bool((p == float(k)).all()) for p in policy.parameters())
+            assert await sending == k
+    finally:
+        await trainer.aclose()
+        await rank.aclose()
+
+
+def test_poll_with_manual_commits_is_refused_before_a_rank_builds_its_relay() -> None:
+    rank = DistributedWeightSyncScheme(rank=1, commit_mode="manual", **_common(free_port()))
+    with pytest.raises(ValueError, match="poll=True commits at each poll_nowait"):
+        rank.init_on_receiver(model=make_model(), poll=True)
+    with pytest.raises(RuntimeError, match="init_on_relay"):
+        rank.relay  # nothing was built: the scheme can still be set up
+    rank.init_on_receiver(model=make_model())  # e.g. without polling

@@ -43,7 +43,7 @@ from .._core._strategy import Strategy, resolve_model, to_flat
 from .._errors import ClosedError
 from .._io._loop_thread import LoopThread
 from .._local._loopback import loopback_worker
-from .._local._receiver import Commit, CommitMode, OnUpdate
+from .._local._receiver import Commit, CommitMode, OnUpdate, Receiver
 from .._local._scheme import MultiProcessWeightSyncScheme, _check_device
 from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from .._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
@@ -373,6 +373,7 @@ class DistributedWeightSyncScheme:
         on_update: OnUpdate | None = None,
         device: torch.device | str | None = None,
         host: int | None = None,
+        poll: bool = False,
     ) -> None:
         """Make this rank a host whose only worker is this process (torchrl's layout: one
         worker per rank): the worker's receiver runs in this event loop, its relay in a
@@ -381,6 +382,8 @@ class DistributedWeightSyncScheme:
         weights, as with :meth:`MultiProcessWeightSyncScheme.init_on_receiver`; then
         ``connect`` / ``version`` / ``commit`` / ``wait_for_version`` / ``wait_stopped``
         / ``aclose`` work as on a worker. *worker_idx* must be 0 (one worker per rank).
+        ``poll=True``: a polled worker, as with the local scheme (docs/polling.md): after
+        ``connect()``, versions change only at :meth:`poll_nowait` calls.
 
         Example (on every rank but the trainer's)::
 
@@ -398,9 +401,11 @@ class DistributedWeightSyncScheme:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
         if device is not None:
             _check_device(torch.device(device), "init_on_receiver")  # before the relay takes anything
+        if poll and self._scheme_options.commit_mode == "manual":  # the local check, before the relay is built
+            raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         local = self.init_on_relay(model=model, num_workers=1, host=host)
         worker = loopback_worker(local, 0)
-        worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device)
+        worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device, poll=poll)
         self._worker = worker
 
     @property
@@ -410,9 +415,19 @@ class DistributedWeightSyncScheme:
             raise RuntimeError("call init_on_receiver() first")
         return self._worker
 
+    @property
+    def receiver(self) -> Receiver:
+        """After :meth:`init_on_receiver`: this process's receiver (``scheme.worker.receiver``)."""
+        return self.worker.receiver
+
     def commit(self) -> int | None:
         """Worker, ``commit_mode="manual"``: commit the staged version now."""
         return self.worker.commit()
+
+    def poll_nowait(self) -> int | None:
+        """Worker, ``init_on_receiver(..., poll=True)``: commit the newest version if new
+        (its version, or None); no system call when nothing is new."""
+        return self.worker.poll_nowait()
 
     @property
     def update_pending(self) -> bool:
