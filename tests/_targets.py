@@ -218,3 +218,14 @@ async def kind_from_file_worker(worker_idx: int, scheme: MultiProcessWeightSyncS
     with open(path) as f:
         kind = f.read().strip()
     return await simple_worker(worker_idx, scheme, kind)
+
+
+async def state_dict_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> dict[str, torch.Tensor]:
+    """Receive until stopped; return the model's state dict (its tensors view the shared
+    slot of the last version until the receiver detaches them, then its own memory)."""
+    torch.set_num_threads(1)
+    model = make_model()
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
+    async with scheme:
+        await scheme.wait_stopped()
+    return model.state_dict()

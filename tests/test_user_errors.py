@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
+from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 
@@ -169,3 +169,18 @@ async def test_a_bad_timeout_is_refused_on_the_multi_host_trainer() -> None:
                 await call()
         assert lh.trainer.version == 0
         assert await lh.trainer.send() == 1
+
+
+@pytest.mark.parametrize("timeout", [0.01, 1, 4.9, 60, None])
+def test_any_valid_timeout_makes_a_multi_host_scheme_with_a_derived_silence_timeout(timeout: float | None) -> None:
+    scheme = DistributedWeightSyncScheme(timeout=timeout)  # silence_timeout left to its default
+    assert scheme.silence_timeout == (None if timeout is None else max(timeout, 5 * scheme.heartbeat))
+    relay_side = DistributedWeightSyncScheme(**scheme._relay_kwargs())  # a relay started for it (Ray) takes it as is
+    assert relay_side.silence_timeout == scheme.silence_timeout
+
+
+def test_an_explicit_silence_timeout_not_longer_than_the_heartbeat_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=re.escape("silence_timeout (1) must be longer than heartbeat (1.0)")):
+        DistributedWeightSyncScheme(timeout=60, silence_timeout=1)
+    assert DistributedWeightSyncScheme(timeout=1, heartbeat=0.1, silence_timeout=0.5).silence_timeout == 0.5
+    assert DistributedWeightSyncScheme(timeout=1, silence_timeout=None).silence_timeout is None

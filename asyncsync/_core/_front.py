@@ -113,6 +113,15 @@ class SenderCore(Generic[W, R]):
         the last version it applied; its state (``statistics()``) says it is gone."""
         return self._acks.applied_versions()
 
+    def sent_version(self, worker_idx: W) -> int:
+        """The newest version sent to *worker_idx* (-1: none)."""
+        return self._record(worker_idx).sent
+
+    async def wait_dead(self, worker_idx: W, timeout: float | None = None) -> None:
+        """Wait until the sender has noticed that *worker_idx* is gone (dead, left or stopped)."""
+        self._record(worker_idx)
+        await self._acks.wait_gone([worker_idx], timeout, f"waiting for worker {worker_idx} to be declared dead")
+
     # ----------------------------------------------------------------- for subclasses
 
     async def _open(self) -> None:
