@@ -15,7 +15,7 @@ from ._core._strategy import STRATEGIES, Strategy
 if TYPE_CHECKING:
     from ._local._receiver import Commit, CommitMode
 
-__all__ = ["DEFAULT", "OnWorkerError", "SchemeOptions", "Timeout", "UseDefault", "choice", "resolve_timeout"]
+__all__ = ["DEFAULT", "OnWorkerError", "SchemeOptions", "Timeout", "UseDefault", "checked_timeout", "choice", "resolve_timeout"]
 
 OnWorkerError = Literal["raise", "skip"]
 
@@ -36,9 +36,20 @@ Timeout = float | None | UseDefault
 
 
 def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
-    """*timeout*, or *default* where it is :data:`DEFAULT` (or ``...``, its older spelling)."""
+    """*timeout*, or *default* where it is :data:`DEFAULT` (or ``...``, its older spelling);
+    raise :class:`ValueError` for what is not a number of seconds >= 0 or None."""
     if timeout is DEFAULT or timeout is ...:  # type: ignore[comparison-overlap]
         return default
+    return checked_timeout(timeout)  # type: ignore[arg-type]
+
+
+def checked_timeout(timeout: float | None) -> float | None:
+    """*timeout* if it is None or a number of seconds >= 0 (0: do not wait); else raise
+    :class:`ValueError` before anything is sent or awaited."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:  # (NaN fails >=)
+        raise ValueError(f"timeout must be a number of seconds >= 0, or None for no bound; got {timeout!r}")
     return timeout
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import gc
 import json
 import os
@@ -38,6 +39,7 @@ from typing import Any
 import anyio
 import torch
 from torch import nn
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ._core._signal import Signal
 from ._dist._scheme import DistributedWeightSyncScheme
@@ -647,8 +649,10 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
     are); they are killed before the error is raised, so later tests start clean.
     Descriptors (unless *descriptors* is False): every entry of ``/proc/self/fd`` opened in
     the block and still open after a garbage collection (unclosed schemes, sockets, pipes,
-    shared-memory segments, files; not multiprocessing's resource sharer nor the
-    forkserver's pipe, kept for the interpreter's life). A scheme that
+    shared-memory segments, files; not multiprocessing's resource sharer, the
+    forkserver's pipe, the pipe torch keeps from its first ``TCPStore`` server on, nor
+    the one libuv keeps from a process's first uvloop loop, both made before the
+    snapshot: all kept for the interpreter's life). A scheme that
     outlives the block (a module-scoped fixture) may rightly open descriptors in it: a
     slot added under load, a replacement worker's channel; check descriptors where the
     block owns its schemes. Read from ``/proc``: Linux only, as asyncsync is. If the
@@ -665,7 +669,8 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
                 await scheme.send()
     """
     resource_tracker.ensure_running()  # started once per interpreter, and kept: not a leak
-    _open_uvloops_pipe()
+    _open_store_pipe()  # likewise
+    _open_uvloops_pipe()  # likewise
     children0 = set(_descendants())
     fds0 = _fds()
     try:
@@ -683,6 +688,25 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
     problems += [f"file descriptor {fd} ({target}) left open" for fd, target in sorted(fds.items())]
     if problems:
         raise LeakError("asyncsync leak check: " + "; ".join(problems))
+
+
+_store_pipe_opened = False
+
+
+def _open_store_pipe() -> None:
+    """Open what torch keeps for the life of the process once it made a rendezvous store:
+    its first ``TCPStore`` server leaves a pipe open after the store is gone (a multi-host
+    scheme's trainer hosts one). Once per process: a throwaway store on an ephemeral port
+    of 127.0.0.1, so that the pipe exists before the leak check's snapshot."""
+    global _store_pipe_opened
+    if _store_pipe_opened:
+        return
+    _store_pipe_opened = True
+    try:
+        store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    except Exception:  # no loopback, or a torch without the store: then no test here makes one
+        return
+    del store
 
 
 _uvloop_primed = False

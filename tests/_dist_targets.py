@@ -107,3 +107,24 @@ def _die_in_broadcast_of(version: int) -> None:
         await land(self, op)
 
     Relay._land = dying  # type: ignore[method-assign]
+
+
+async def state_dict_host(host: int, port: int, token: str, own_worker: bool) -> Any:
+    """A host whose workers return their state dicts: a relay with one spawned worker
+    (returns ``{0: state dict}``), or with *own_worker* a rank that is its own worker
+    (returns its model's state dict)."""
+    from tests._targets import state_dict_worker
+
+    torch.set_num_threads(1)
+    scheme = DistributedWeightSyncScheme(timeout=30, token=token, rank=host, world_size=3, master_addr="127.0.0.1", master_port=port, heartbeat=0.5)
+    if own_worker:
+        model = make_model()
+        scheme.init_on_receiver(model=model)
+        async with scheme:
+            await scheme.wait_stopped()
+        return model.state_dict()
+    scheme.init_on_relay(model=make_model(), num_workers=1)
+    async with spawn_workers(state_dict_worker, 1, args=(scheme,), scheme=scheme.local, start_method="spawn") as workers:
+        async with scheme:
+            await scheme.wait_stopped()
+        return await workers.join(timeout=60)

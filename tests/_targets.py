@@ -246,3 +246,14 @@ async def always_zero_worker(worker_idx: int, scheme: MultiProcessWeightSyncSche
     async with scheme:
         await scheme.wait_stopped()
     return scheme.version
+
+
+async def state_dict_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> dict[str, torch.Tensor]:
+    """Receive until stopped; return the model's state dict (its tensors view the shared
+    slot of the last version until the receiver detaches them, then its own memory)."""
+    torch.set_num_threads(1)
+    model = make_model()
+    scheme.init_on_receiver(worker_idx=worker_idx, model=model)
+    async with scheme:
+        await scheme.wait_stopped()
+    return model.state_dict()

@@ -6,6 +6,7 @@ host is there, also after a long blocked loop; a displaced relay is told why."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -210,3 +211,74 @@ async def test_a_relay_replaced_by_another_for_its_host_is_told_so() -> None:
         await trainer.aclose()
         for s in (first, second, first_worker, second_worker):
             await s.aclose()
+
+
+@pytest.mark.parametrize("host,num_workers,reason", [
+    (5, 1, "host 5 is not one of the trainer's hosts [1]"),
+    (1, 2, "host 1 has 2 workers (num_workers), the trainer expects 1"),
+])
+async def test_a_relay_the_trainer_refuses_is_told_why(host: int, num_workers: int, reason: str) -> None:
+    """A relay with the right token but a host id or a worker count the trainer does not
+    expect: its connect raises ValueError with the trainer's reason (not a generic
+    disconnect), and the trainer goes on waiting for the right relay, which joins."""
+    common = _common(free_port())
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    model = make_model()
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    wrong = DistributedWeightSyncScheme(rank=1, **common)
+    wrong_local = wrong.init_on_relay(model=make_model(), num_workers=num_workers, host=host)
+    wrong_workers = [loopback_worker(wrong_local, i) for i in range(num_workers)]
+    for i, w in enumerate(wrong_workers):
+        w.init_on_receiver(worker_idx=i, model=make_model())
+    relay, worker, local = _relay(common)
+    joining = asyncio.ensure_future(trainer.connect())
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"host {host}: the trainer at 127.0.0.1:") + r"\d+" + re.escape(f" refused this relay: {reason}")):
+            await wrong.connect()
+        assert trainer.statistics().host(1).state == "waiting" and not joining.done()
+        fill_(model, 3.0)
+        await asyncio.gather(relay.connect(), worker.connect())
+        assert await joining == 0
+        assert await trainer.send() == 1 and worker.version == 1
+    finally:
+        joining.cancel()
+        await asyncio.gather(joining, return_exceptions=True)
+        await trainer.aclose()
+        for s in (wrong, *wrong_workers, relay, worker):
+            await s.aclose()
+
+
+async def test_a_rank_that_is_its_own_worker_can_poll() -> None:
+    """``init_on_receiver(model=..., poll=True)`` on a rank that is its own worker: its
+    local receiver is a polled one behind its relay; versions switch only inside
+    ``poll_nowait()``, and the trainer's send returns once it polled."""
+    common = _common(free_port())
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    model = make_model()
+    trainer.init_on_sender(model=model, hosts={1: 1})
+    policy = make_model()
+    rank = DistributedWeightSyncScheme(rank=1, **common)
+    rank.init_on_receiver(model=policy, poll=True)
+    try:
+        await asyncio.gather(trainer.connect(), rank.connect())
+        assert rank.version == 0 and rank.poll_nowait() is None  # nothing new
+        for k in (1, 2):
+            fill_(model, float(k))
+            sending = asyncio.ensure_future(trainer.send())
+            while (got := rank.poll_nowait()) is None:
+                await asyncio.sleep(0.001)
+            assert got == k and rank.version == k and rank.receiver is rank.worker.receiver
+            assert all(bool((p == float(k)).all()) for p in policy.parameters())
+            assert await sending == k
+    finally:
+        await trainer.aclose()
+        await rank.aclose()
+
+
+def test_poll_with_manual_commits_is_refused_before_a_rank_builds_its_relay() -> None:
+    rank = DistributedWeightSyncScheme(rank=1, commit_mode="manual", **_common(free_port()))
+    with pytest.raises(ValueError, match="poll=True commits at each poll_nowait"):
+        rank.init_on_receiver(model=make_model(), poll=True)
+    with pytest.raises(RuntimeError, match="init_on_relay"):
+        _ = rank.relay  # nothing was built: the scheme can still be set up
+    rank.init_on_receiver(model=make_model())  # e.g. without polling

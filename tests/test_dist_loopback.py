@@ -518,3 +518,19 @@ async def test_tied_weights_reach_workers_through_a_relay() -> None:
         assert worker_model.head.weight is worker_model.emb.weight
         assert torch.equal(worker_model.emb.weight, torch.full((5, 3), 2.0))
         assert lh.workers[1, 0].version == 1
+
+
+async def test_the_trainer_has_the_local_senders_sent_version_and_wait_dead() -> None:
+    """``scheme.sender.sent_version(wid)`` and ``await scheme.sender.wait_dead(wid)`` with
+    ``(host, local index)`` ids, as the local sender has them with ints."""
+    async with open_loopback_hosts(make_model(), make_model, hosts={1: 2}, timeout=30, on_worker_error="skip") as lh:
+        sender = lh.trainer.sender
+        assert sender.sent_version((1, 0)) == sender.sent_version((1, 1)) == 0
+        await lh.trainer.send(worker_ids=[(1, 0)])
+        assert (sender.sent_version((1, 0)), sender.sent_version((1, 1))) == (1, 0)
+        with pytest.raises(ValueError, match=r"unknown worker id \(3, 0\)"):
+            sender.sent_version((3, 0))
+        await lh.workers[1, 1].aclose()  # worker (1, 1) leaves; its relay tells the trainer
+        await sender.wait_dead((1, 1), timeout=30)
+        assert lh.trainer.statistics().worker((1, 1)).state == "left"
+        assert await lh.trainer.send() == 2 and sender.sent_version((1, 0)) == 2  # "skip": the living go on

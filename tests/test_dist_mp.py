@@ -14,11 +14,13 @@ import pytest_asyncio
 import torch
 from anyio import wait_all_tasks_blocked
 
-from asyncsync import AuthenticationError, DistributedWeightSyncScheme, WeightsError
+from asyncsync import AuthenticationError, DistributedWeightSyncScheme, WeightsError, spawn_workers
 from asyncsync._dist._control import auth_mac
 from asyncsync._wire._protocol import Auth, Challenge, decode, encode
-from tests._dist_cluster import TOKEN, DistCluster
+from tests._dist_cluster import TOKEN, DistCluster, free_port
+from tests._dist_targets import state_dict_host
 from tests._targets import fill_, make_model
+from tests.conftest import assert_same
 
 # The module's cluster starts within its first test: spawned workers import torch (slow on a busy machine).
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -213,3 +215,24 @@ async def test_relay_with_wrong_token_raises(dc: DistCluster) -> None:
         async with relay:
             pass
     assert dc.scheme.statistics().host(2).state == "connected"
+
+
+async def test_remote_workers_that_return_tensors_return_them_by_value() -> None:
+    """``return model.state_dict()`` on a host: from a relay's spawned worker (through the
+    relay's process, itself a spawned host) and from a rank that is its own worker."""
+    port = free_port()
+    policy = make_model()
+    fill_(policy, 2.5)
+    trainer = DistributedWeightSyncScheme(timeout=30, token=TOKEN, rank=0, world_size=3, master_addr="127.0.0.1", master_port=port, heartbeat=0.5)
+    trainer.init_on_sender(model=policy, hosts={1: 1, 2: 1})
+    relay = spawn_workers(state_dict_host, worker_ids=[1], args=(port, TOKEN, False), start_method="spawn")
+    own = spawn_workers(state_dict_host, worker_ids=[2], args=(port, TOKEN, True), start_method="spawn")
+    async with relay, own:
+        async with trainer:
+            pass  # version 0 applied everywhere, then both hosts are stopped
+        from_relay = await relay.join(timeout=60)
+        from_own = await own.join(timeout=60)
+    assert list(from_relay) == [1] and list(from_relay[1]) == [0]
+    for sd in (from_relay[1][0], from_own[2]):
+        assert_same(policy, sd)
+        assert all(not t.is_shared() for t in sd.values())

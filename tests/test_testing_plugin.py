@@ -187,6 +187,25 @@ def test_asyncsync_testing_is_imported_explicitly_and_never_imports_pytest() -> 
         assert getattr(asyncsync.testing, name).__module__ == "asyncsync.testing"
 
 
+def test_the_first_rendezvous_store_of_a_process_is_no_leak() -> None:
+    """torch keeps a pipe for the life of the process from its first TCPStore server on:
+    the leak check opens it before its snapshot, so a multi-host test that makes the
+    process's first store passes it (a fresh interpreter: this one has made stores already)."""
+    probe = (
+        "import asyncio, torch\n"
+        "from asyncsync.testing import no_leaks, open_loopback_hosts\n"
+        "def make(): return torch.nn.Linear(4, 2)\n"
+        "async def main():\n"
+        "    async with open_loopback_hosts(make(), make, timeout=30) as lh:\n"
+        "        await lh.trainer.send()\n"
+        "with no_leaks():\n"
+        "    asyncio.run(main())\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["clean"], out.stderr[-3000:]
+
+
 INI = "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
 
 

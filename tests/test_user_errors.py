@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, loopback_worker
+from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, loopback_worker
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 
@@ -183,3 +183,50 @@ def test_a_timeouts_hint_is_in_its_message_and_survives_pickling() -> None:
     assert str(err) == "worker 0 waiting for version 2 timed out after 0.5 s; no answer from worker 0 (at version 1). Worker 0 is polled"
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == str(err) and back.hint == "Worker 0 is polled"
+
+
+BAD_TIMEOUTS = [-1, -0.5, float("nan"), "5", True]
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+async def test_a_bad_timeout_is_refused_before_anything_is_sent(bad: Any) -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, make_model) as lb:
+        fill_(trainer, 2.0)
+        for call in (
+            lambda: scheme.send(timeout=bad),
+            lambda: scheme.send_async(timeout=bad),
+            lambda: scheme.wait_async(timeout=bad),
+            lambda: lb.workers[0].wait_for_version(1, timeout=bad),
+        ):
+            with pytest.raises(ValueError, match=re.escape(f"timeout must be a number of seconds >= 0, or None for no bound; got {bad!r}")):
+                await call()
+        assert scheme.version == 0 and lb.workers[0].version == 0  # nothing was sent
+        assert await scheme.send(timeout=0.0 + 10) == 1  # the scheme goes on
+        assert lb.workers[0].version == 1
+
+
+async def test_a_bad_timeout_is_refused_on_the_multi_host_trainer() -> None:
+    async with open_loopback_hosts(make_model(), make_model, hosts={1: 1}, timeout=30) as lh:
+        for call in (lambda: lh.trainer.send(timeout=-1), lambda: lh.trainer.wait_async(timeout=float("nan"))):
+            with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+                await call()
+        assert lh.trainer.version == 0
+        assert await lh.trainer.send() == 1
+
+
+@pytest.mark.parametrize("timeout", [0.01, 1, 4.9, 60, None])
+def test_any_valid_timeout_makes_a_multi_host_scheme_with_a_derived_silence_timeout(timeout: float | None) -> None:
+    scheme = DistributedWeightSyncScheme(timeout=timeout)  # silence_timeout left to its default
+    assert scheme.silence_timeout == (None if timeout is None else max(timeout, 5 * scheme.heartbeat))
+    relay_side = DistributedWeightSyncScheme(**scheme._relay_kwargs())  # a relay started for it (Ray) takes it as is
+    assert relay_side.silence_timeout == scheme.silence_timeout
+
+
+def test_an_explicit_silence_timeout_not_longer_than_the_heartbeat_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=re.escape("silence_timeout (1) must be longer than heartbeat (1.0)")):
+        DistributedWeightSyncScheme(timeout=60, silence_timeout=1)
+    assert DistributedWeightSyncScheme(timeout=1, heartbeat=0.1, silence_timeout=0.5).silence_timeout == 0.5
+    assert DistributedWeightSyncScheme(timeout=1, silence_timeout=None).silence_timeout is None

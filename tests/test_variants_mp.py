@@ -14,7 +14,16 @@ from asyncsync import (
     WorkerProcessError,
     spawn_workers,
 )
-from tests._targets import failing_worker, fill_, make_model, returning_worker, simple_worker, strict_worker, unconnected_worker
+from tests._targets import (
+    failing_worker,
+    fill_,
+    make_model,
+    returning_worker,
+    simple_worker,
+    state_dict_worker,
+    strict_worker,
+    unconnected_worker,
+)
 from tests.conftest import Cluster, assert_same
 
 
@@ -72,6 +81,24 @@ async def test_spawn_workers_returns_results() -> None:
     async with spawn_workers(returning_worker, 2, args=(10,)) as group:
         results = await group.join(timeout=60)
     assert results == {0: 0, 1: 10}
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+async def test_a_worker_that_returns_tensors_returns_them_by_value(start_method: str) -> None:
+    """``return model.state_dict()``: the tensors come back by value, though the worker has
+    exited by the time the parent reads them (shared by descriptor, they would be gone)."""
+    policy = make_model()
+    fill_(policy, 4.0)
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=policy, num_workers=2)
+    async with spawn_workers(state_dict_worker, 2, args=(scheme,), scheme=scheme, start_method=start_method) as group:
+        async with scheme:
+            pass  # version 0 applied by both, then both are stopped
+        results = await group.join(timeout=60)
+    assert sorted(results) == [0, 1]
+    for sd in results.values():
+        assert_same(policy, sd)
+        assert all(not t.is_shared() for t in sd.values())  # the parent's own memory
 
 
 async def test_spawn_workers_raises_worker_exception() -> None:

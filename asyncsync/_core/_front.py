@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError
-from .._options import DEFAULT, Timeout, UseDefault
+from .._options import DEFAULT, Timeout, UseDefault, checked_timeout
 from ._acks import AckTracker, WorkerRecord
 from ._deadline import Deadline, locked_within
 from ._layout import Layout
@@ -113,6 +113,15 @@ class SenderCore(Generic[W, R]):
         the last version it applied; its state (``statistics()``) says it is gone."""
         return self._acks.applied_versions()
 
+    def sent_version(self, worker_idx: W) -> int:
+        """The newest version sent to *worker_idx* (-1: none)."""
+        return self._record(worker_idx).sent
+
+    async def wait_dead(self, worker_idx: W, timeout: float | None = None) -> None:
+        """Wait until the sender has noticed that *worker_idx* is gone (dead, left or stopped)."""
+        self._record(worker_idx)
+        await self._acks.wait_gone([worker_idx], timeout, f"waiting for worker {worker_idx} to be declared dead")
+
     # ----------------------------------------------------------------- for subclasses
 
     async def _open(self) -> None:
@@ -154,7 +163,7 @@ class SenderCore(Generic[W, R]):
             return self.timeout
         if timeout.__class__ is Deadline:
             return timeout.remaining()  # type: ignore[union-attr]
-        return timeout  # type: ignore[return-value]
+        return checked_timeout(timeout)  # type: ignore[arg-type]
 
     def _deadline(self, timeout: Timeout | Deadline) -> Deadline:
         """*timeout* as a :class:`Deadline` (one given is passed on, so a whole call keeps one)."""

@@ -214,12 +214,21 @@ class HostTable:
             raise ProtocolError(f"{stream.peer}: expected Auth, got {type(msg).__name__}")
         if not hmac.compare_digest(msg.mac, auth_mac(self._token, nonce, msg.host, msg.num_workers)):
             raise AuthenticationError(f"{stream.peer} (claiming host {msg.host}) failed the token challenge: wrong token")
-        if msg.host not in self.hosts:
-            raise ValueError(f"{stream.peer} claims host {msg.host}, which is not one of {sorted(self.hosts)}")
-        expected = self.hosts[msg.host].num_workers
-        if msg.num_workers != expected:
-            raise ValueError(f"host {msg.host} at {stream.peer} has {msg.num_workers} workers, the trainer expects {expected}")
+        # Authenticated: the relay proved the token (a stranger learns nothing). Refused now,
+        # it is told why, after Welcome, so that it can trust the reason: Bye instead of Setup.
         stream.send(Welcome(welcome_mac(self._token, msg.nonce)))
+        reason = None
+        if msg.host not in self.hosts:
+            reason = f"host {msg.host} is not one of the trainer's hosts {sorted(self.hosts)}"
+        elif msg.num_workers != self.hosts[msg.host].num_workers:
+            reason = f"host {msg.host} has {msg.num_workers} workers (num_workers), the trainer expects {self.hosts[msg.host].num_workers}"
+        if reason is not None:
+            try:
+                stream.send(Bye(msg.host, -1, reason))
+                await stream.drain()
+            except BrokenChannelError:
+                pass
+            raise ValueError(f"refused {stream.peer}: {reason}")
         return msg
 
     async def _refusal(self, stream: ControlStream) -> str | None:

@@ -198,12 +198,14 @@ class Relay:
                 raise
             raise AuthenticationError(
                 f"host {self.host}: the {stream.peer} closed the connection during the handshake "
-                "(a wrong token, or a host id or worker count it does not expect; see the trainer's log)"
+                "(a wrong token; see the trainer's log)"
             ) from exc
         if not isinstance(welcome, Welcome) or not hmac.compare_digest(welcome.mac, welcome_mac(self._token, nonce)):
             raise AuthenticationError(f"host {self.host}: the {stream.peer} failed the token challenge")
         stream.limit = FRAME_LIMIT
         setup = await stream.recv()
+        if isinstance(setup, Bye):  # authenticated, and refused: e.g. a host id or a worker count it does not expect
+            raise ValueError(f"host {self.host}: the {stream.peer} refused this relay: {setup.reason}")
         if not isinstance(setup, Setup):
             raise ProtocolError(f"{stream.peer}: expected Setup, got {type(setup).__name__}")
         if setup.layout != self.local.layout:

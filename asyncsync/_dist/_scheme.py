@@ -43,7 +43,7 @@ from .._core._strategy import Strategy, resolve_model, to_flat
 from .._errors import ClosedError
 from .._io._loop_thread import LoopThread
 from .._local._loopback import loopback_worker
-from .._local._receiver import Commit, CommitMode, OnUpdate
+from .._local._receiver import Commit, CommitMode, OnUpdate, Receiver
 from .._local._scheme import MultiProcessWeightSyncScheme, _check_device
 from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from .._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
@@ -53,6 +53,9 @@ from ._relay import Relay
 from ._sender import DistSender, WorkerId
 
 __all__ = ["DistributedWeightSyncScheme"]
+
+SILENCE_BEATS = 5
+"""The default ``silence_timeout`` is at least this many heartbeat periods."""
 
 
 
@@ -74,7 +77,8 @@ class DistributedWeightSyncScheme:
         chunk_bytes: the size of one network transfer chunk (default 64 MiB).
         heartbeat: seconds between heartbeats.
         silence_timeout: a peer that sent nothing, heartbeats included, for this long is
-            gone (default: ``timeout``; ``None`` with ``timeout=None``: only EOF counts). A
+            gone (default: ``max(timeout, 5 * heartbeat)``; ``None`` with ``timeout=None``:
+            only EOF counts; an explicit value must be longer than ``heartbeat``). A
             killed process is noticed at once anyway (its connection ends); this is for
             partitions and hung hosts. Heartbeats come from a thread of each control
             connection, not from the event loop: a loop blocked by a long synchronous
@@ -162,9 +166,14 @@ class DistributedWeightSyncScheme:
         self.bind = bind or self.master_addr
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
-        self.silence_timeout = resolve_timeout(silence_timeout, timeout)
-        if self.silence_timeout is not None and self.silence_timeout <= heartbeat:
-            raise ValueError(f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat})")
+        # the default is derived, so that any valid timeout works: at least SILENCE_BEATS heartbeats
+        derived = None if timeout is None else max(timeout, SILENCE_BEATS * heartbeat)
+        self.silence_timeout = resolve_timeout(silence_timeout, derived)
+        if self.silence_timeout is not None and not self.silence_timeout > heartbeat:  # only an explicit one can be
+            raise ValueError(
+                f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat}): a peer beats every"
+                f" heartbeat seconds; leave silence_timeout unset for max(timeout, {SILENCE_BEATS} x heartbeat)"
+            )
         self.backend = backend
         self.device = torch.device(device) if device is not None else None
         self._wire_device: torch.device | None = None  # gloo: host memory (a test may set a CUDA one)
@@ -364,6 +373,7 @@ class DistributedWeightSyncScheme:
         on_update: OnUpdate | None = None,
         device: torch.device | str | None = None,
         host: int | None = None,
+        poll: bool = False,
     ) -> None:
         """Make this rank a host whose only worker is this process (torchrl's layout: one
         worker per rank): the worker's receiver runs in this event loop, its relay in a
@@ -372,6 +382,8 @@ class DistributedWeightSyncScheme:
         weights, as with :meth:`MultiProcessWeightSyncScheme.init_on_receiver`; then
         ``connect`` / ``version`` / ``commit`` / ``wait_for_version`` / ``wait_stopped``
         / ``aclose`` work as on a worker. *worker_idx* must be 0 (one worker per rank).
+        ``poll=True``: a polled worker, as with the local scheme (docs/polling.md): after
+        ``connect()``, versions change only at :meth:`poll_nowait` calls.
 
         Example (on every rank but the trainer's)::
 
@@ -389,9 +401,11 @@ class DistributedWeightSyncScheme:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
         if device is not None:
             _check_device(torch.device(device), "init_on_receiver")  # before the relay takes anything
+        if poll and self._scheme_options.commit_mode == "manual":  # the local check, before the relay is built
+            raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         local = self.init_on_relay(model=model, num_workers=1, host=host)
         worker = loopback_worker(local, 0)
-        worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device)
+        worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device, poll=poll)
         self._worker = worker
 
     @property
@@ -401,9 +415,19 @@ class DistributedWeightSyncScheme:
             raise RuntimeError("call init_on_receiver() first")
         return self._worker
 
+    @property
+    def receiver(self) -> Receiver:
+        """After :meth:`init_on_receiver`: this process's receiver (``scheme.worker.receiver``)."""
+        return self.worker.receiver
+
     def commit(self) -> int | None:
         """Worker, ``commit_mode="manual"``: commit the staged version now."""
         return self.worker.commit()
+
+    def poll_nowait(self) -> int | None:
+        """Worker, ``init_on_receiver(..., poll=True)``: commit the newest version if new
+        (its version, or None); no system call when nothing is new."""
+        return self.worker.poll_nowait()
 
     @property
     def update_pending(self) -> bool:

@@ -185,11 +185,19 @@ async def _wait_eof(conn: Any) -> None:
 
 
 def _send(conn: Any, message: tuple[Any, ...]) -> bool:
-    """Send *message* to the parent; False if it does not pickle (the parent being gone is fine)."""
+    """Send *message* to the parent; False if it does not pickle (the parent being gone is fine).
+
+    By value, with the plain pickler: ``Connection.send`` pickles with multiprocessing's
+    ``ForkingPickler``, for which torch shares a tensor's storage by descriptor or shared
+    memory, served by this process: gone once it exits, which a result outlives (the
+    parent would fail to unpickle ``return model.state_dict()``).
+    """
     try:
-        conn.send(message)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError):
         return False
+    try:
+        conn.send_bytes(data)
     except OSError:
         pass  # the parent is gone
     return True

@@ -278,7 +278,10 @@ def write_plot(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any
     if not lat:
         raise ValueError("no latency rows to plot")
     worker_counts = sorted({r["workers"] for r in lat})
-    transports = list(dict.fromkeys(r["transport"] for r in lat))
+    def series(r: dict[str, Any]) -> str:  # a flattened model's rows are a line of their own
+        return r["transport"] + (" flat" if r.get("flat") else "")
+
+    transports = list(dict.fromkeys(map(series, lat)))
     markers = {"shm": "o", "queue": "s", "torchrl-mp": "^", "torchrl-shared": "v"}
     fig, axes = plt.subplots(1, len(worker_counts), figsize=(5.5 * len(worker_counts), 4.5), sharey=True, squeeze=False)
     for ax, nw in zip(axes[0], worker_counts):
@@ -286,12 +289,13 @@ def write_plot(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any
             pts = sorted(
                 (r["n_params"] * 4, r["median_ms"], r["p90_ms"])
                 for r in lat
-                if r["workers"] == nw and r["transport"] == transport
+                if r["workers"] == nw and series(r) == transport
             )
             if not pts:
                 continue
             x = [p[0] for p in pts]
-            ax.plot(x, [p[1] for p in pts], marker=markers.get(transport, "o"), label=transport)
+            style = "--" if transport.endswith(" flat") else "-"
+            ax.plot(x, [p[1] for p in pts], style, marker=markers.get(transport.removesuffix(" flat"), "o"), label=transport)
         floors: dict[int, float] = {}
         for r in lat:
             if r["workers"] == nw:
