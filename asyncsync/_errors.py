@@ -416,23 +416,27 @@ class SyncTimeoutError(AsyncSyncError, TimeoutError):
         timeout: float | None,
         *,
         never_connected: Mapping[int, int | None] | None = None,
+        hint: str = "",
     ) -> None:
         self.what = what
         self.pending = dict(pending)
         self.timeout = timeout
         self.never_connected = dict(never_connected or {})
+        self.hint = hint
         detail = ", ".join(f"worker {w} (at version {v})" for w, v in sorted(self.pending.items()))
         message = f"{what} timed out after {format_seconds(timeout)}"
         if detail:
             message += f"; no answer from {detail}"
-        super().__init__(message + _never_connected_hint(self.never_connected))
+        super().__init__(message + _never_connected_hint(self.never_connected) + (f". {hint}" if hint else ""))
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (_rebuild_timeout, (self.what, self.pending, self.timeout, self.never_connected))
+        return (_rebuild_timeout, (self.what, self.pending, self.timeout, self.never_connected, self.hint))
 
 
-def _rebuild_timeout(what: str, pending: Mapping[int, int], timeout: float | None, never: Mapping[int, int | None]) -> SyncTimeoutError:
-    return SyncTimeoutError(what, pending, timeout, never_connected=never)
+def _rebuild_timeout(
+    what: str, pending: Mapping[int, int], timeout: float | None, never: Mapping[int, int | None], hint: str = ""
+) -> SyncTimeoutError:
+    return SyncTimeoutError(what, pending, timeout, never_connected=never, hint=hint)
 
 
 def _never_connected_hint(never: Mapping[int, int | None]) -> str:

@@ -539,6 +539,7 @@ class ProcessWorkers(WorkerGroup):
         self._killed.discard(idx)  # a replacement is expected to live
 
     def kill(self, worker_idx: int) -> None:
+        self._process(worker_idx, "kill")  # a bad index or a closed group: nothing recorded
         self._killed.add(worker_idx)
         super().kill(worker_idx)
 
@@ -649,8 +650,9 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
     Descriptors (unless *descriptors* is False): every entry of ``/proc/self/fd`` opened in
     the block and still open after a garbage collection (unclosed schemes, sockets, pipes,
     shared-memory segments, files; not multiprocessing's resource sharer, the
-    forkserver's pipe, nor the pipe torch keeps from its first ``TCPStore`` server on,
-    made before the snapshot: all kept for the interpreter's life). A scheme that
+    forkserver's pipe, the pipe torch keeps from its first ``TCPStore`` server on, nor
+    the one libuv keeps from a process's first uvloop loop, both made before the
+    snapshot: all kept for the interpreter's life). A scheme that
     outlives the block (a module-scoped fixture) may rightly open descriptors in it: a
     slot added under load, a replacement worker's channel; check descriptors where the
     block owns its schemes. Read from ``/proc``: Linux only, as asyncsync is. If the
@@ -668,6 +670,7 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
     """
     resource_tracker.ensure_running()  # started once per interpreter, and kept: not a leak
     _open_store_pipe()  # likewise
+    _open_uvloops_pipe()  # likewise
     children0 = set(_descendants())
     fds0 = _fds()
     try:
@@ -704,6 +707,24 @@ def _open_store_pipe() -> None:
     except Exception:  # no loopback, or a torch without the store: then no test here makes one
         return
     del store
+
+
+_uvloop_primed = False
+
+
+def _open_uvloops_pipe() -> None:
+    """Where uvloop is installed, make (and close) one of its loops now: libuv's first loop in
+    a process opens a pipe kept for the process's life (its signal lock), which would
+    otherwise count as a leak of the block that made the process's first uvloop loop."""
+    global _uvloop_primed
+    if _uvloop_primed:
+        return
+    _uvloop_primed = True
+    try:
+        import uvloop
+    except ImportError:
+        return
+    uvloop.new_event_loop().close()
 
 
 def _new_fds(before: Mapping[int, str]) -> dict[int, str]:

@@ -185,9 +185,6 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             found = _policy_devices(context, num_workers)
             if found is not None:
                 devices = found
-        if devices is not None:
-            listed = devices.items() if isinstance(devices, dict) else enumerate(devices)
-            self._worker_devices = {int(i): str(torch.device(d)) for i, d in listed}
         self._inner.init_on_sender(
             model_id=model_id,
             context=context,
@@ -199,6 +196,9 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             num_workers=num_workers,
             ctx=ctx,
         )
+        if devices is not None:  # read after init_on_sender checked them (a bad one is named there)
+            listed = devices.items() if isinstance(devices, dict) else enumerate(devices)
+            self._worker_devices = {int(i): str(torch.device(d)) for i, d in listed}
 
     def _setup_connection_and_weights_on_sender_impl(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
         """Publish version 0 and return at once: the workers wait for it while they start."""

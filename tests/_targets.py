@@ -220,6 +220,34 @@ async def kind_from_file_worker(worker_idx: int, scheme: MultiProcessWeightSyncS
     return await simple_worker(worker_idx, scheme, kind)
 
 
+async def silent_from_file_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, path: str) -> int | None:
+    """simple_worker, unless the file *path* says "silent" when it starts: then it never
+    connects (a test writes it before a restart, to get a replacement that stays silent)."""
+    with open(path) as f:
+        silent = f.read().strip() == "silent"
+    if silent:
+        await asyncio.Event().wait()  # until the process is killed
+        return None
+    return await simple_worker(worker_idx, scheme)
+
+
+async def strict_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, expected: int) -> int:
+    """simple_worker that raises if the trainer stopped it before version *expected*: a worker
+    that fails only because the trainer's block ended early."""
+    version = await simple_worker(worker_idx, scheme)
+    if version != expected:
+        raise AssertionError(f"worker {worker_idx} was stopped at version {version}, not {expected}")
+    return version
+
+
+async def always_zero_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> int:
+    """The mistake of a worker function that ignores its worker_idx: every process claims worker 0."""
+    scheme.init_on_receiver(worker_idx=0, model=make_model())
+    async with scheme:
+        await scheme.wait_stopped()
+    return scheme.version
+
+
 async def state_dict_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> dict[str, torch.Tensor]:
     """Receive until stopped; return the model's state dict (its tensors view the shared
     slot of the last version until the receiver detaches them, then its own memory)."""

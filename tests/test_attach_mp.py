@@ -25,6 +25,7 @@ from torch import nn
 
 from asyncsync import (
     AuthenticationError,
+    ClosedError,
     MultiProcessWeightSyncScheme,
     SenderDiedError,
     SyncTimeoutError,
@@ -351,6 +352,20 @@ async def test_nothing_left_after_aclose_and_a_crash() -> None:
     assert fds1 == fds0, f"descriptors left: {[(fd, _link(fd)) for fd in sorted(fds1 - fds0)]}"
     assert not shm_left(shm0), f"/dev/shm entries left: {shm_left(shm0)}"
     assert threads1 == threads0
+
+
+async def test_listen_after_aclose_raises_closed_error_and_opens_nothing(tmp_path: Path) -> None:
+    for listened_before in (False, True):
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+        if listened_before:
+            await scheme.listen()
+        await scheme.aclose()
+        fds0, _, _ = snapshot()
+        path = str(tmp_path / f"after-close-{listened_before}.sock")
+        with pytest.raises(ClosedError, match="listen"):
+            await scheme.listen(path)
+        assert not os.path.exists(path) and snapshot()[0] == fds0  # no socket was opened
 
 
 def test_the_address_round_trips_through_its_string_form() -> None:

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,7 +23,7 @@ from asyncsync import (
     spawn_workers,
 )
 from asyncsync.testing import ProcessWorkers, open_loopback
-from tests._targets import fill_, make_model, simple_worker, trainer_process
+from tests._targets import fill_, make_model, silent_from_file_worker, simple_worker, trainer_process
 from tests.conftest import Cluster
 from tests.test_hygiene_mp import shm_left
 
@@ -97,6 +98,32 @@ async def test_skip_mode_rejoin_gets_latest_weights(asyncsync_workers: Callable[
             v2 = await scheme.send()
         results = await group.join(timeout=30)
     assert results == {0: v2, 1: v2}
+
+
+async def test_restart_bounds_the_replacements_connect_by_its_timeout_and_checks_its_index(
+    asyncsync_workers: Callable[..., ProcessWorkers], tmp_path: Path
+) -> None:
+    mode = tmp_path / "mode"
+    mode.write_text("normal")
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30, on_worker_error="skip")
+    scheme.init_on_sender(model=model, num_workers=2)
+    async with asyncsync_workers(silent_from_file_worker, 2, args=(scheme, str(mode)), scheme=scheme) as group:
+        async with scheme:
+            await group.faults.kill(1)
+            mode.write_text("silent")  # the replacement starts, and never connects
+            with pytest.raises(SyncTimeoutError) as info:
+                # the outer bound only turns a restart that ignores its timeout into a failure
+                await asyncio.wait_for(group.restart(1, timeout=0.5), 25)
+            assert isinstance(info.value, SyncTimeoutError) and info.value.timeout == 0.5
+            assert 1 in info.value.pending and "worker 1" in str(info.value), str(info.value)
+            with pytest.raises(ValueError, match="worker 7.*0, 1"):
+                await group.restart(7)
+            await group.faults.kill(1)  # the silent replacement
+            v = await scheme.send()
+    assert group.results == {0: v}
+    with pytest.raises(ClosedError, match="closed"):
+        await group.restart(0)
 
 
 async def test_worker_killed_before_connect_is_named(asyncsync_workers: Callable[..., ProcessWorkers]) -> None:

@@ -83,7 +83,8 @@ async def polled_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, c
         task = asyncio.ensure_future(poller())
         try:
             while True:
-                cmd = (await q.get())[0]
+                req = await q.get()
+                cmd = req[0]
                 if cmd == "empty":  # polls with nothing new, none of them touching the socket
                     receiver = scheme.receiver
                     queue = receiver._queue._end  # the framed pipe under the queue
@@ -123,6 +124,11 @@ async def polled_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, c
                     same_as_own = all(torch.equal(v, own[k]) for k, v in model.state_dict().items())
                     stats = scheme.statistics()
                     await q.put((list(committed), scheme.version, _value(model), same_as_own, stats.rejected))  # type: ignore[union-attr]
+                elif cmd == "wait_for":  # the newcomer's wait: no poll meanwhile
+                    try:
+                        await q.put(await scheme.wait_for_version(req[1], timeout=req[2]))
+                    except SyncTimeoutError as exc:
+                        await q.put(str(exc))
                 elif cmd == "exit":
                     break
         finally:
@@ -303,6 +309,25 @@ async def test_a_cancelled_wait_loses_nothing_and_a_timed_out_one_names_the_poll
             await _ask(q, "poll")
             await scheme.wait_async(version)  # the ack the cancelled waiter missed is not lost
             assert (await _ask(q, "report"))[:3] == ([version], version, 2.0)
+            await q.put(("exit",))
+        await workers.join(START_S)
+
+
+async def test_a_polled_workers_wait_for_version_that_times_out_says_to_poll() -> None:
+    async with _polled_cluster(["mlp"]) as (trainer, scheme, (q,), workers):
+        async with scheme:
+            fill_(trainer, 3.0)
+            version = await scheme.send_async()  # nothing polls in the worker: nothing commits it
+            message = await _ask(q, "wait_for", version, 0.2)
+            assert message == (
+                f"worker 0 waiting for version {version} timed out after 0.2 s; no answer from worker 0 (at version 0). "
+                "Worker 0 is polled (init_on_receiver(..., poll=True)): its model takes a new version only in poll_nowait(), "
+                "which wait_for_version() does not call. Call scheme.poll_nowait() between the worker's steps (and wait in "
+                "another task), or poll until it returns the version (see docs/polling.md)"
+            ), message
+            await _ask(q, "poll")
+            assert await _ask(q, "wait_for", version, START_S) == version  # with a poller beside it, it returns
+            await scheme.wait_async(version)
             await q.put(("exit",))
         await workers.join(START_S)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import asyncsync.testing
 from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError
-from asyncsync.testing import LoopbackWorkers, ProcessWorkers, open_loopback, open_workers
+from asyncsync.testing import LoopbackWorkers, ProcessWorkers, no_leaks, open_loopback, open_workers
 from tests._targets import fill_, make_model, simple_worker
 
 pytest_plugins = ["pytester"]
@@ -104,10 +104,11 @@ async def test_open_loopback_refuses_models_for_other_workers() -> None:
 # ------------------------------------------------------------------ faults, processes
 
 
-async def test_process_faults_reject_delay_kill_and_a_replacement_takes_them_too(asyncsync_workers: Callable[..., ProcessWorkers]) -> None:
+async def _process_faults_round(open_: Callable[..., ProcessWorkers]) -> None:
+    """reject, delay_acks and kill on worker processes, and a replacement that takes them too."""
     model = make_model()
     scheme = sender(model)
-    async with asyncsync_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as workers:
+    async with open_(simple_worker, 2, args=(scheme,), scheme=scheme) as workers:
         async with scheme:
             async with workers.faults.reject(1, "corrupt payload"):
                 fill_(model, 1.0)
@@ -132,6 +133,32 @@ async def test_process_faults_reject_delay_kill_and_a_replacement_takes_them_too
                     await scheme.send()
             v = await scheme.send()
     assert workers.results == {0: v, 1: v}
+
+
+async def test_process_faults_reject_delay_kill_and_a_replacement_takes_them_too(asyncsync_workers: Callable[..., ProcessWorkers]) -> None:
+    await _process_faults_round(asyncsync_workers)
+
+
+def test_process_faults_work_when_the_loop_is_uvloop() -> None:
+    # The trainer and (following it) the workers on uvloop, in any pass of the suite.
+    uvloop = pytest.importorskip("uvloop")
+    with no_leaks():
+        uvloop.run(_process_faults_round(open_workers))
+
+
+def test_the_leak_check_does_not_count_uvloops_process_wide_pipe() -> None:
+    # libuv opens a pipe for the life of the process with the first loop it makes: a test
+    # whose uvloop loop is the process's first is no leak (a fresh interpreter: the first).
+    pytest.importorskip("uvloop")
+    probe = (
+        "import asyncio, uvloop\n"
+        "from asyncsync.testing import no_leaks\n"
+        "with no_leaks():\n"
+        "    uvloop.run(asyncio.sleep(0))\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "clean"), out.stderr[-2000:]
 
 
 async def test_open_workers_wants_an_async_function() -> None:

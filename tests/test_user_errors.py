@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError
+from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, loopback_worker
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 
@@ -137,6 +139,50 @@ async def test_a_worker_that_said_hello_gets_no_hint() -> None:
                 await scheme.send(timeout=0.2)
         assert re.search(r"timed out after \d+\.\d+ s; no answer from worker 0 \(at version 0\)$", str(info.value)), str(info.value)
         assert info.value.never_connected == {} and "hello" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["cuda:x", "gpu", ""])
+async def test_a_device_string_torch_cannot_read_is_named_before_anything_starts(bad: str) -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    named = rf"^worker 1: {re.escape(repr(bad))} is not a device \(such as 'cpu', 'cuda' or 'cuda:0'\)"
+    with pytest.raises(ValueError, match=named):
+        scheme.init_on_sender(model=model, devices=["cpu", bad])
+    with pytest.raises(ValueError, match=named):
+        scheme.init_on_sender(model=model, devices={0: "cpu", 1: bad})
+    with pytest.raises(TypeError, match=r"^worker 1: a device is a torch.device or a string such as 'cuda:0', got float 3.5"):
+        scheme.init_on_sender(model=model, devices=["cpu", 3.5])
+    scheme.init_on_sender(model=model, devices=["cpu", torch.device("cpu")])  # nothing was left half set up
+    worker = loopback_worker(scheme, 1)
+    with pytest.raises(ValueError, match=named):
+        worker.init_on_receiver(worker_idx=1, model=make_model(), device=bad)
+    worker.init_on_receiver(worker_idx=1, model=make_model(), device="cpu")
+    await scheme.aclose()
+    await worker.aclose()
+
+
+async def test_watch_process_given_a_popen_says_what_it_takes() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        with pytest.raises(TypeError, match=r"^watch_process\(worker 0\): expected a multiprocessing.Process .*got subprocess.Popen: .*attach by address"):
+            scheme.watch_process(0, proc)
+        with pytest.raises(TypeError, match=r"got builtins.int$"):
+            scheme.watch_process(0, proc.pid)
+    finally:
+        proc.communicate()
+    with pytest.raises(SyncTimeoutError) as info:
+        await scheme.connect(timeout=0.05)
+    assert info.value.never_connected == {0: None}  # no process was recorded for it
+    await scheme.aclose()
+
+
+def test_a_timeouts_hint_is_in_its_message_and_survives_pickling() -> None:
+    err = SyncTimeoutError("worker 0 waiting for version 2", {0: 1}, 0.5, hint="Worker 0 is polled")
+    assert str(err) == "worker 0 waiting for version 2 timed out after 0.5 s; no answer from worker 0 (at version 1). Worker 0 is polled"
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err) and back.hint == "Worker 0 is polled"
 
 
 BAD_TIMEOUTS = [-1, -0.5, float("nan"), "5", True]

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from asyncsync import (
     MultiProcessWeightSyncScheme,
+    WeightsError,
     WorkerError,
     WorkerProcessError,
     spawn_workers,
 )
-from tests._targets import failing_worker, fill_, make_model, returning_worker, simple_worker, state_dict_worker, unconnected_worker
+from tests._targets import (
+    failing_worker,
+    fill_,
+    make_model,
+    returning_worker,
+    simple_worker,
+    state_dict_worker,
+    strict_worker,
+    unconnected_worker,
+)
 from tests.conftest import Cluster, assert_same
 
 
@@ -115,6 +127,25 @@ async def test_a_workers_own_error_reaches_the_trainer_when_the_block_fails(star
     assert "in unconnected_worker" in err.remote_traceback and "await scheme.wait_stopped()" in err.remote_traceback
     assert "_workers.py" not in err.remote_traceback
     assert err.remote_traceback in str(err.__cause__.__cause__)  # shown in the printed chain
+
+
+async def test_the_trainers_own_error_leaves_the_block_not_a_worker_error_it_caused() -> None:
+    # The trainer's send fails on its own (a key its model lacks); its block ends, the scheme
+    # stops the workers early, and each raises for that: the trainer's error is what leaves
+    # the block, the workers' errors are notes on it.
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    model = make_model()
+    scheme.init_on_sender(model=model, num_workers=2)
+    bad = {**model.state_dict(), "nonexistent": torch.zeros(3)}
+    with pytest.raises(WeightsError, match="nonexistent") as info:
+        async with spawn_workers(strict_worker, 2, args=(scheme, 3), scheme=scheme):
+            async with scheme:
+                await scheme.send()
+                await scheme.send(weights=bad)
+    if sys.version_info >= (3, 11):
+        notes = info.value.__notes__
+        for i in (0, 1):
+            assert f"meanwhile, in a worker process: worker {i}: AssertionError: worker {i} was stopped at version 1, not 3" in notes, notes
 
 
 async def test_a_worker_that_dies_before_it_starts_is_reported_at_once() -> None:

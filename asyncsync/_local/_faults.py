@@ -17,6 +17,7 @@ import asyncio
 import contextvars
 import json
 import os
+import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -73,7 +74,16 @@ async def run_with_faults(
     """Worker entry point of ``asyncsync.testing.open_workers``: ``await fn(worker_idx, *args, **kwargs)``
     with a :class:`FaultHook` installed and driven from *address*."""
     hook = FaultHook()
-    reader, writer = await asyncio.open_unix_connection(address)
+    # Our own socket, connected by the loop: uvloop refuses an abstract address (a leading
+    # NUL) given as a path (EINVAL), and takes the connected socket.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, address)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
     writer.write(json.dumps({"token": token, "worker_idx": worker_idx, "pid": os.getpid()}).encode() + b"\n")
     await writer.drain()
     control = asyncio.ensure_future(_obey(hook, reader, writer))

@@ -47,6 +47,10 @@ __all__ = ["LinkTable", "SenderObserver"]
 logger = logging.getLogger("asyncsync")
 
 
+class _SecondHello(ProtocolError):
+    """A second ``Hello`` on one worker's channel: two processes took the same channel end."""
+
+
 class _Link:
     """One connection (generation) to one worker: its channel, mapped slots and tasks (its
     answers are kept by the :class:`AckTracker`)."""
@@ -345,6 +349,16 @@ class LinkTable:
         await self._on_lost(w, link)
 
     def _on_hello(self, w: _Worker, link: _Link, msg: Hello) -> None:
+        if link.pid is not None:
+            # One channel per worker index: a second hello on it is a second process that
+            # took the same channel end (a worker function that ignores the worker_idx it was
+            # given). The channel is cut: which of the two reads what is anyone's guess.
+            second = f"a second process (pid {msg.pid})" if msg.pid != link.pid else "the same process again"
+            raise _SecondHello(
+                f"{second} connected as worker {w.idx} on the channel of worker {w.idx} (pid {link.pid}); only one "
+                f"process can be worker {w.idx}: call init_on_receiver(worker_idx=...) with the index each worker process "
+                f"was started with (spawn_workers passes it as the function's first argument)"
+            )
         link.pid = msg.pid
         self._acks.connected(w.idx, msg.pid, link.generation)
         if link.child_conn is not None:
@@ -387,9 +401,8 @@ class LinkTable:
         if self._state in ("closing", "closed") and w.state == "connected":
             self._acks.stopped(w.idx)
         elif broken is not None:
-            death = WorkerDiedError(
-                w.idx, None, link.pid, reason=f"it sent a malformed message ({type(broken).__name__}: {broken}); its channel was closed"
-            )
+            reason = str(broken) if isinstance(broken, _SecondHello) else f"it sent a malformed message ({type(broken).__name__}: {broken})"
+            death = WorkerDiedError(w.idx, None, link.pid, reason=f"{reason}; its channel was closed")
             death.__cause__ = broken
             self._acks.lost(w.idx, "dead", death)
             w.process = None  # its process may run on: it is no longer this worker

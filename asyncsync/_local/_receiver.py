@@ -110,6 +110,7 @@ class Receiver:
         self._no_bye = False  # the sender stopped us or is gone, or a test kills us: say no Bye
         self._released = False
         self._state = "new"
+        self._connected = False  # a connect() returned (one that timed out or was cancelled may be retried)
         self._faults = _installed_faults.get()  # asyncsync.testing's fault injection, else None
 
     # ----------------------------------------------------------------- public API
@@ -158,14 +159,21 @@ class Receiver:
         return self._staging.layout
 
     async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
-        """Start the receiver task; return once the initial weights are applied."""
-        if self._state != "new":
-            raise RuntimeError("connect() was already called") if self._state != "closed" else ClosedError("the receiver is closed")
-        self._state = "running"
-        self._queue.put_bytes_nowait(encode(Hello(self.worker_idx, os.getpid())))
-        if self.polled:
-            self._queue.put_bytes_nowait(encode(Poll(self.worker_idx)))
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
+        """Start the receiver task; return once the initial weights are applied.
+
+        After a connect that timed out or was cancelled, call it again: the receiver task
+        started by the first call goes on, and the new call waits for the same initial weights.
+        """
+        if self._state == "closed":
+            raise ClosedError(f"worker {self.worker_idx}: the receiver is closed")
+        if self._connected:
+            raise RuntimeError(f"worker {self.worker_idx}: connect() was already called, and it returned")
+        if self._state == "new":
+            self._state = "running"
+            self._queue.put_bytes_nowait(encode(Hello(self.worker_idx, os.getpid())))
+            if self.polled:
+                self._queue.put_bytes_nowait(encode(Poll(self.worker_idx)))
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
         limit = resolve_timeout(timeout, self.timeout)
         # Done once the first instruction is answered: applied, staged (manual mode), or
         # rejected (then the worker keeps its own weights and keeps running; the sender raises).
@@ -176,11 +184,14 @@ class Receiver:
 
         if not await self._changed.wait_until(ready, limit):
             raise SyncTimeoutError(f"worker {self.worker_idx} waiting for its initial weights", {self.worker_idx: self._version}, limit)
+        self._connected = True
         return self._version
 
     async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Wait until the model runs *version* or newer, or has it staged (manual mode);
-        return the version the model runs."""
+        return the version the model runs. On a polled receiver (``poll=True``) only
+        :meth:`poll_nowait` applies versions: something else must poll meanwhile (a
+        timeout says so)."""
         limit = resolve_timeout(timeout, self.timeout)
 
         def reached() -> bool:
@@ -189,7 +200,16 @@ class Receiver:
             return self._version >= version or staged or self._ended()
 
         if not await self._changed.wait_until(reached, limit):
-            raise SyncTimeoutError(f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit)
+            hint = ""
+            if self.polled:
+                hint = (
+                    f"Worker {self.worker_idx} is polled (init_on_receiver(..., poll=True)): its model takes a new version only "
+                    "in poll_nowait(), which wait_for_version() does not call. Call scheme.poll_nowait() between the worker's "
+                    "steps (and wait in another task), or poll until it returns the version (see docs/polling.md)"
+                )
+            raise SyncTimeoutError(
+                f"worker {self.worker_idx} waiting for version {version}", {self.worker_idx: self._version}, limit, hint=hint
+            )
         return self._version
 
     def commit(self) -> int | None:

@@ -36,6 +36,7 @@ from torch import nn
 from .._core._deadline import Deadline
 from .._core._source import configured_source
 from .._core._strategy import Strategy, as_user_weights, resolve_model, to_flat
+from .._errors import ClosedError
 from .._io._slots import SlotPool
 from .._io._staging import device_problem
 from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
@@ -146,7 +147,11 @@ class MultiProcessWeightSyncScheme:
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_sender", "_receiver", "_listener")}
         ends = self._sender.child_endpoints() if self._sender is not None else dict(self._endpoints)
+        uninitialised = self._sender is None and self._receiver is None and self._attach is None and not ends
+        if uninitialised and mp.context.get_spawning_popen() is not None:
+            raise RuntimeError(_BEFORE_INIT)  # a process being started: say so here, before it runs
         state["_endpoints"] = {i: _Endpoint(c) for i, c in ends.items()}
+        state["_before_init"] = uninitialised  # another pickler (Ray...): the worker says so
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -206,7 +211,7 @@ class MultiProcessWeightSyncScheme:
         if devices is not None:
             seq = devices if isinstance(devices, Mapping) else dict(zip(ids, devices))
             for i in ids:
-                device_of[i] = str(_check_device(torch.device(seq[i]), f"worker {i}"))
+                device_of[i] = str(_parse_device(seq[i], f"worker {i}"))
 
         if params_map is not None:
             flat_map = {i: to_flat(params_map[i]) for i in ids}
@@ -301,7 +306,8 @@ class MultiProcessWeightSyncScheme:
         else a random one). Returns the :class:`WorkerAddress` to hand to the workers
         (``str(address)`` or ``address.env()``); each calls :meth:`attach` with it. Call it
         before ``connect()`` (which waits for every worker) or later; it accepts until
-        :meth:`aclose`, which removes the socket file. A restarted worker attaches again.
+        :meth:`aclose`, which removes the socket file (after it, ``listen()`` raises
+        :class:`ClosedError`). A restarted worker attaches again.
 
         Example::
 
@@ -312,6 +318,8 @@ class MultiProcessWeightSyncScheme:
                 await scheme.send()
         """
         sender = self.sender
+        if sender._state in ("closing", "closed"):
+            raise ClosedError("listen(): the scheme is closed (aclose() was called); no worker can attach to it")
         if self._listener is not None:
             raise RuntimeError(f"this scheme already listens at {self._listener.address.path}")
         options = {"strategy": self.strategy, "commit": self.commit_kind, "commit_mode": self.commit_mode, "timeout": self.timeout}
@@ -402,7 +410,7 @@ class MultiProcessWeightSyncScheme:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if device is not None:
-            _check_device(torch.device(device), f"worker {worker_idx}")
+            device = _parse_device(device, f"worker {worker_idx}")
         if self._attach is not None:
             if worker_idx is not None and worker_idx != self._attach[1]:
                 raise ValueError(f"this scheme attaches as worker {self._attach[1]}, not {worker_idx}")
@@ -413,6 +421,8 @@ class MultiProcessWeightSyncScheme:
         if poll and self.commit_mode == "manual":
             raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         conn = self._endpoints.pop(worker_idx, None)
+        if conn is None and getattr(self, "_before_init", False):
+            raise RuntimeError(_BEFORE_INIT)
         if conn is None:
             raise ValueError(f"no channel for worker {worker_idx}; this scheme carries workers {sorted(self._endpoints)}")
         for other in self._endpoints.values():
@@ -569,6 +579,12 @@ class MultiProcessWeightSyncScheme:
         await self.receiver.wait_stopped()
 
 
+_BEFORE_INIT = (
+    "this scheme was pickled (sent to a worker) before init_on_sender() was called on it, so it carries no "
+    "worker channels: call scheme.init_on_sender(...) in the trainer first, then start the workers with the scheme"
+)
+
+
 class _Endpoint:
     """A channel end that pickles by passing its descriptor, whatever the pickler.
 
@@ -637,6 +653,20 @@ class _SharedFd:
 
         with resource_sharer._resource_sharer.get_connection(self._id) as conn:  # type: ignore[attr-defined]
             return int(reduction.recv_handle(conn))
+
+
+def _parse_device(value: Any, who: str) -> torch.device:
+    """*value* (a ``torch.device`` or its string) as a device usable here, before anything
+    starts: a string torch does not read is a ValueError naming it, another type a TypeError."""
+    if isinstance(value, torch.device):
+        return _check_device(value, who)
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        if isinstance(value, str):
+            raise ValueError(f"{who}: {value!r} is not a device (such as 'cpu', 'cuda' or 'cuda:0'): {exc}") from None
+        raise TypeError(f"{who}: a device is a torch.device or a string such as 'cuda:0', got {type(value).__name__} {value!r}") from None
+    return _check_device(device, who)
 
 
 def _check_device(device: torch.device, who: str) -> torch.device:

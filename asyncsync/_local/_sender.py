@@ -111,12 +111,33 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
         return {i: w.link.child_conn for i, w in self._workers.items() if w.link is not None and w.link.child_conn is not None}
 
     def watch_process(self, worker_idx: int, process: Any) -> None:
-        """Watch *process* (``multiprocessing.Process``-like) as worker *worker_idx*."""
+        """Watch *process* (``multiprocessing.Process``-like) as worker *worker_idx*.
+
+        *process* is a started ``multiprocessing.Process``, or an object like one: an int
+        ``sentinel`` readable once it exits, its ``pid`` and ``exitcode``. Anything else
+        (a ``subprocess.Popen``) is a TypeError saying so, and nothing changes.
+        """
         w = self._worker(worker_idx)
+        try:
+            sentinel = process.sentinel
+        except AttributeError:
+            sentinel = None
+        if not isinstance(sentinel, int) or isinstance(sentinel, bool):
+            kind = f"{type(process).__module__}.{type(process).__qualname__}"
+            hint = ""
+            if type(process).__module__ == "subprocess":
+                hint = (
+                    ": a program started with subprocess has no sentinel; let it attach by address "
+                    "(scheme.listen() here, MultiProcessWeightSyncScheme.attach() in it), and its closed socket says when it is gone"
+                )
+            raise TypeError(
+                f"watch_process(worker {worker_idx}): expected a multiprocessing.Process (or one like it, with an int sentinel, "
+                f"a pid and an exitcode), got {kind}{hint}"
+            )
         self._drop_sentinel(w)
         w.process = process
         # A private duplicate: one reader per descriptor, and others may wait on the original.
-        w.sentinel = os.dup(process.sentinel)
+        w.sentinel = os.dup(sentinel)
         if self._state == "running" and w.link is not None:
             w.link.tasks.append(asyncio.get_running_loop().create_task(self._watch_sentinel(w, w.link)))
 

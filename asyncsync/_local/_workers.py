@@ -46,8 +46,9 @@ import aiomultiprocess
 import anyio
 from aiomultiprocess.types import Unit
 
-from .._errors import AsyncSyncError, BrokenChannelError, SyncTimeoutError, WorkerProcessError, WouldBlock
+from .._errors import BrokenChannelError, ClosedError, SyncTimeoutError, WorkerDiedError, WorkerProcessError, WouldBlock
 from .._io._queues import AsyncQueue
+from ._scheme import MultiProcessWeightSyncScheme
 
 __all__ = ["WorkerGroup", "spawn_workers"]
 
@@ -265,6 +266,7 @@ class WorkerGroup:
             worker_ids = range(num_workers)
         self.fn = fn
         self.worker_ids = list(worker_ids)
+        _check_scheme_has(scheme, self.worker_ids)
         self.args = tuple(args)
         self.kwargs = dict(kwargs or {})
         self.scheme = scheme
@@ -306,6 +308,10 @@ class WorkerGroup:
         )
         try:
             proc.start()
+        except BaseException:
+            results_r.close()  # (it never started: nothing of it is kept)
+            lifeline_w.close()
+            raise
         finally:
             results_w.close()
             lifeline_r.close()
@@ -402,8 +408,8 @@ class WorkerGroup:
                     break
 
     async def __aenter__(self) -> WorkerGroup:
-        self.start()
         try:
+            self.start()  # (a worker whose arguments do not pickle fails here: the others go too)
             await self.wait_started(self.start_timeout)
         except BaseException:
             await self.aclose(grace=0.0)
@@ -416,15 +422,18 @@ class WorkerGroup:
         failures = self._failures()
         if not failures:
             return
-        if isinstance(exc, AsyncSyncError) and not isinstance(exc, WorkerProcessError):
-            # Most likely a consequence (the worker died, so a send failed): the worker's own
-            # error is what the user needs to see; that of the worker the trainer's error
-            # names, not another's that failed only because the block ended.
+        cut_off = type(exc) is WorkerDiedError and exc.reason is not None  # by the trainer: its reason is the news
+        if isinstance(exc, BrokenChannelError) and not isinstance(exc, WorkerProcessError) and not cut_off:
+            # The block failed because a worker's channel broke (it died, so a send failed):
+            # that worker's own error is what the user needs to see. Only the worker the
+            # trainer's error names: another's failed only because the block ended, and any
+            # other error of the trainer (its own mistake, a timeout) is the trainer's to see.
             named = getattr(exc, "worker_idx", None)
-            err = next((f for f in failures if f.worker_idx == named), failures[0])
-            if hasattr(err, "add_note"):
-                err.add_note(f"(the trainer saw: {type(exc).__name__}: {exc})")
-            raise err
+            err = next((f for f in failures if f.worker_idx == named), None)
+            if err is not None:
+                if hasattr(err, "add_note"):
+                    err.add_note(f"(the trainer saw: {type(exc).__name__}: {exc})")
+                raise err
         if hasattr(exc, "add_note"):  # Python 3.11+
             for err in failures:
                 exc.add_note(f"meanwhile, in a worker process: {err}")
@@ -452,9 +461,20 @@ class WorkerGroup:
 
     # -------------------------------------------------------------- control
 
+    def _process(self, worker_idx: int, what: str) -> aiomultiprocess.Process:
+        """The process of *worker_idx*, for *what* (a method's name): a ValueError names an
+        index that is not one of the group's, a ClosedError a group already closed."""
+        if worker_idx not in self.worker_ids:
+            raise ValueError(f"{what}: no worker {worker_idx!r} in this group; its workers: {', '.join(map(str, self.worker_ids))}")
+        if self._closed:
+            raise ClosedError(f"{what}({worker_idx!r}): the worker group is closed")
+        if worker_idx not in self.processes:
+            raise RuntimeError(f"{what}({worker_idx!r}): the worker group has not started (use async with, or start())")
+        return self.processes[worker_idx]
+
     def kill(self, worker_idx: int) -> None:
         """SIGKILL one worker (for fault-injection tests and soak runs)."""
-        self.processes[worker_idx].kill()
+        self._process(worker_idx, "kill").kill()
 
     async def restart(self, worker_idx: int, *, timeout: float = 10.0) -> None:
         """Replace a dead worker: wait until the scheme noticed, then spawn a new one.
@@ -462,9 +482,12 @@ class WorkerGroup:
         The new process receives the scheme with a fresh channel for ``worker_idx``
         and gets the latest weights when it connects; the other workers are untouched.
         With a scheme, returns once the replacement has applied those weights (*timeout*
-        bounds each wait after the process started; starting is bounded by ``start_timeout``).
+        bounds each wait after the process started; starting is bounded by ``start_timeout``):
+        :class:`SyncTimeoutError` naming the worker when the replacement does not connect in
+        time. Raises ``ValueError`` for an index that is not one of the group's,
+        :class:`ClosedError` once the group is closed.
         """
-        old = self.processes[worker_idx]
+        old = self._process(worker_idx, "restart")
         if old.is_alive():
             old.kill()
         await self._wait_exit(worker_idx, timeout)
@@ -544,6 +567,21 @@ class WorkerGroup:
                     pass
 
 
+def _check_scheme_has(scheme: Any, worker_ids: list[int]) -> None:
+    """Before any process starts: every worker to start must be one of *scheme*'s (a scheme
+    has one channel per worker id it was given at ``init_on_sender``)."""
+    if not isinstance(scheme, MultiProcessWeightSyncScheme) or scheme._sender is None:
+        return
+    known = scheme._sender.worker_ids
+    extra = [i for i in worker_ids if i not in known]
+    if extra:
+        listed = ", ".join(map(str, sorted(known)))
+        raise ValueError(
+            f"worker{'s' if len(extra) > 1 else ''} {', '.join(map(str, extra))} to start, but the scheme has workers {listed} "
+            f"(init_on_sender gave it {len(known)}): start at most those, or give init_on_sender more"
+        )
+
+
 class _Outcome:
     """How one worker process ended: ``ok`` with *value*, or an error (*label*, *tb*, *exc*)."""
 
@@ -609,7 +647,8 @@ def spawn_workers(
     faster to start). ``async with`` returns once every process runs *fn*, within
     *start_timeout* seconds; a worker that raises is reported as :class:`WorkerProcessError`
     with its exception's type, message and traceback, also when the block fails because
-    that worker died.
+    that worker died; when the block fails for any other reason, its own error leaves the
+    block, each worker's failure added to it as a note (Python 3.11+).
     Each worker runs *fn* on a fresh event loop made by *loop_factory* (it must pickle,
     e.g. ``uvloop.new_event_loop``); by default, the kind of loop ``spawn_workers`` is
     called from: uvloop's under uvloop, else asyncio's.
