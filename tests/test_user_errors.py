@@ -161,6 +161,13 @@ async def test_a_device_string_torch_cannot_read_is_named_before_anything_starts
     await worker.aclose()
 
 
+@pytest.mark.parametrize("bad", ["cuda:x", "gpu"])
+def test_a_device_string_torch_cannot_read_is_named_by_a_rank_that_is_its_own_worker(bad: str) -> None:
+    rank = DistributedWeightSyncScheme(timeout=10)
+    with pytest.raises(ValueError, match=rf"^init_on_receiver: {re.escape(repr(bad))} is not a device"):
+        rank.init_on_receiver(model=make_model(), device=bad)  # before the relay takes anything
+
+
 async def test_watch_process_given_a_popen_says_what_it_takes() -> None:
     scheme = MultiProcessWeightSyncScheme(timeout=10)
     scheme.init_on_sender(model=make_model(), num_workers=1)

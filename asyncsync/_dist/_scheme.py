@@ -44,7 +44,7 @@ from .._errors import ClosedError
 from .._io._loop_thread import LoopThread
 from .._local._loopback import loopback_worker
 from .._local._receiver import Commit, CommitMode, OnUpdate, Receiver
-from .._local._scheme import MultiProcessWeightSyncScheme, _check_device
+from .._local._scheme import MultiProcessWeightSyncScheme, _parse_device
 from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from .._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
 from ._control import resolve_token
@@ -400,7 +400,7 @@ class DistributedWeightSyncScheme:
         if model is None:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
         if device is not None:
-            _check_device(torch.device(device), "init_on_receiver")  # before the relay takes anything
+            _parse_device(device, "init_on_receiver")  # before the relay takes anything
         if poll and self._scheme_options.commit_mode == "manual":  # the local check, before the relay is built
             raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         local = self.init_on_relay(model=model, num_workers=1, host=host)

@@ -159,21 +159,12 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
                 out[i] = getattr(w.process, "pid", None)
         return out
 
-    async def wait_dead(self, worker_idx: int, timeout: float | None = None) -> None:
-        """Wait until the sender has noticed that *worker_idx* is gone."""
-        self._worker(worker_idx)
-        await self._acks.wait_gone([worker_idx], timeout, f"waiting for worker {worker_idx} to be declared dead")
-
     # ----------------------------------------------------------------- public API
 
     @property
     def ledger(self) -> SlotLedger:
         """Who holds which slot (for debugging and tests)."""
         return self._ledger
-
-    def sent_version(self, worker_idx: int) -> int:
-        """The newest version sent to *worker_idx* (-1: none)."""
-        return self._worker(worker_idx).sent
 
     def start(self) -> None:
         """Open the slots and start watching the workers, without sending anything yet."""
