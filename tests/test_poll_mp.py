@@ -303,8 +303,9 @@ async def test_a_cancelled_wait_loses_nothing_and_a_timed_out_one_names_the_poll
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiter
-            with pytest.raises(SyncTimeoutError, match="0"):
+            with pytest.raises(SyncTimeoutError, match="0") as info:
                 await scheme.wait_async(version, timeout=0.05)
+            assert "worker 0 is polled (poll=True): a polled worker applies a version only when its loop calls receiver.poll_nowait()" in str(info.value)
             assert scheme.sender.applied_versions() == {0: 0}
             await _ask(q, "poll")
             await scheme.wait_async(version)  # the ack the cancelled waiter missed is not lost

@@ -112,12 +112,15 @@ class AckTracker(Generic[W, R]):
         changed: Signal,
         phase: Callable[[], str],
         never_connected: Callable[[Sequence[W]], Mapping[W, int | None]] | None = None,
+        hint: Callable[[Sequence[W]], str] | None = None,
     ) -> None:
         self.records: dict[W, R] = dict(records)
         self._changed = changed
         self._phase = phase
-        # Which of the given workers never said hello (a timeout names them with the likely fix).
+        # Which of the given workers never said hello (a timeout names them with the likely fix),
+        # and what else the transport knows of why these workers are silent.
         self._never_connected = never_connected or (lambda wids: {})
+        self._hint = hint or (lambda wids: "")
         self._watches: list[_Watch] = []  # the version waits in progress
 
     def notify(self) -> None:
@@ -319,7 +322,8 @@ class AckTracker(Generic[W, R]):
         pending = {wid: rec.applied for wid, rec, v in wanted if not self._counts(wid, v)}
         what = what or ("wait_async" if version is None else f"wait for version {version}")
         reported = timeout if isinstance(reported_timeout, UseDefault) else reported_timeout
-        raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(list(pending)))  # type: ignore[arg-type]
+        silent = list(pending)
+        raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(silent), hint=self._hint(silent))  # type: ignore[arg-type]
 
     def _counts(self, wid: W, version: int) -> bool:
         rec = self.records[wid]
@@ -344,7 +348,7 @@ class AckTracker(Generic[W, R]):
 
         if not await self._changed.wait_until(joined, timeout):
             pending = {wid: self.records[wid].applied for wid in wids}
-            raise SyncTimeoutError(what, pending, timeout, never_connected=self._never_connected(list(wids)))  # type: ignore[arg-type]
+            raise SyncTimeoutError(what, pending, timeout, never_connected=self._never_connected(list(wids)), hint=self._hint(list(wids)))  # type: ignore[arg-type]
         for wid in wids:
             rec = self.records[wid]
             if rec.applied < rec.sent:

@@ -86,7 +86,7 @@ class SenderCore(Generic[W, R]):
         self._sends = 0
         self._changed = Signal()
         self._acks: AckTracker[W, R] = AckTracker(
-            records, changed=self._changed, phase=lambda: self._state, never_connected=self._never_connected
+            records, changed=self._changed, phase=lambda: self._state, never_connected=self._never_connected, hint=self._silence_hint
         )
         self._copier = Offload("asyncsync-copy")
         self._send_lock: asyncio.Lock | None = None
@@ -95,6 +95,11 @@ class SenderCore(Generic[W, R]):
         """Of *wids*, those whose receiver never said hello, with the pid of the process
         watched for each (or None); a transport that knows overrides it."""
         return {}
+
+    def _silence_hint(self, wids: Sequence[W]) -> str:
+        """What a timeout naming *wids* should add about why they may be silent (a
+        transport that knows overrides it)."""
+        return ""
 
     @property
     def worker_ids(self) -> list[W]:

@@ -159,6 +159,13 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
                 out[i] = getattr(w.process, "pid", None)
         return out
 
+    def _silence_hint(self, wids: Sequence[int]) -> str:
+        polled = [i for i in wids if (link := self._workers[i].link) is not None and link.mailbox is not None]
+        if not polled:
+            return ""
+        who = f"worker {polled[0]} is" if len(polled) == 1 else f"workers {', '.join(map(str, polled))} are"
+        return f"{who} polled (poll=True): a polled worker applies a version only when its loop calls receiver.poll_nowait()"
+
     # ----------------------------------------------------------------- public API
 
     @property
