@@ -8,6 +8,7 @@ prints its duration rounded and, for a worker that never connected, says why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import re
 import subprocess
@@ -19,7 +20,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, loopback_worker
+from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, WorkerLeftError, loopback_worker
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 
@@ -237,3 +238,38 @@ def test_an_explicit_silence_timeout_not_longer_than_the_heartbeat_is_refused_by
         DistributedWeightSyncScheme(timeout=60, silence_timeout=1)
     assert DistributedWeightSyncScheme(timeout=1, heartbeat=0.1, silence_timeout=0.5).silence_timeout == 0.5
     assert DistributedWeightSyncScheme(timeout=1, silence_timeout=None).silence_timeout is None
+
+
+async def test_a_workers_code_that_raises_in_its_block_is_named_in_the_senders_error() -> None:
+    trainer = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    worker = loopback_worker(scheme, 0)
+    worker.init_on_receiver(worker_idx=0, model=make_model())
+
+    async def worker_code() -> None:
+        async with worker:  # the worker's own `async with scheme:` block
+            await scheme.wait_async(0)
+            raise RuntimeError("the env server could not reset")
+
+    try:
+        results = await asyncio.gather(scheme.connect(), worker_code(), return_exceptions=True)
+        assert isinstance(results[1], RuntimeError)
+        with pytest.raises(WorkerLeftError) as info:
+            await scheme.send()
+        assert re.fullmatch(r"worker 0 (\(pid \d+\) )?left at version 0: its code raised RuntimeError: the env server could not reset", str(info.value)), str(info.value)
+        assert info.value.reason == "its code raised RuntimeError: the env server could not reset"
+    finally:
+        await scheme.aclose()
+        await worker.aclose()
+
+
+async def test_a_remote_workers_code_that_raises_in_its_block_is_named_on_the_multi_host_trainer() -> None:
+    async with open_loopback_hosts(make_model(), make_model, hosts={1: 1}, timeout=30) as lh:
+        with pytest.raises(ValueError, match="bad observation"):
+            async with contextlib.AsyncExitStack() as block:
+                block.push_async_exit(lh.workers[1, 0])  # the worker's `async with scheme:` (connected already)
+                raise ValueError("bad observation shape (3,)")
+        with pytest.raises(WorkerLeftError, match=re.escape(r"worker (1, 0)")) as info:
+            await lh.trainer.send()
+        assert "its code raised ValueError: bad observation shape (3,)" in str(info.value)

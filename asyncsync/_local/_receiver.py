@@ -109,6 +109,7 @@ class Receiver:
         self._error: BaseException | None = None
         self._no_bye = False  # the sender stopped us or is gone, or a test kills us: say no Bye
         self._released = False
+        self._close_reason = "the worker closed its receiver"  # the goodbye's reason, unless the task says otherwise
         self._state = "new"
         self._connected = False  # a connect() returned (one that timed out or was cancelled may be retried)
         self._faults = _installed_faults.get()  # asyncsync.testing's fault injection, else None
@@ -295,14 +296,19 @@ class Receiver:
         The model keeps its weights: any that view a shared slot are first copied into
         this process's memory, so the sender's later sends never change them.
         """
+        await self._close("the worker closed its receiver")
+
+    async def _close(self, reason: str) -> None:
+        """:meth:`aclose`, telling the sender *reason* in the goodbye."""
         if self._state == "closed":
             return
         self._state = "closed"
+        self._close_reason = reason
         task = self._task
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])
-        self._release("the worker closed its receiver")
+        self._release(reason)
         await self._staging.wait_closed()  # a staging copy cut short ends first, off the loop
         await self._committer.aclose()
 
@@ -335,7 +341,7 @@ class Receiver:
         raise ClosedError(f"receiver of worker {self.worker_idx} stopped")
 
     async def _run(self) -> None:
-        reason = "the worker closed its receiver"
+        reason: str | None = None  # None: what _close says (the task was cancelled by it)
         try:
             while True:
                 batch = [await self._next_slow_message()]
@@ -363,7 +369,7 @@ class Receiver:
             reason = f"its receiver task failed: {exc!r}"
             raise
         finally:
-            self._release(reason)
+            self._release(reason if reason is not None else self._close_reason)
             self._changed.notify()
 
     async def _next_slow_message(self) -> Message:

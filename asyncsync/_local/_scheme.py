@@ -494,6 +494,10 @@ class MultiProcessWeightSyncScheme:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._sender is None and self._receiver is not None and isinstance(exc, Exception):
+            # The worker's own code failed inside the block: its goodbye says so, and the
+            # sender's WorkerLeftError (a multi-host trainer's too) carries it.
+            await self._receiver._close(f"its code raised {_summary(exc)}")
         await self.aclose()
 
     def statistics(self) -> SenderStatistics | ReceiverStatistics:
@@ -653,6 +657,12 @@ class _SharedFd:
 
         with resource_sharer._resource_sharer.get_connection(self._id) as conn:  # type: ignore[attr-defined]
             return int(reduction.recv_handle(conn))
+
+
+def _summary(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` of *exc*, cut to about *limit* characters."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _parse_device(value: Any, who: str) -> torch.device:
