@@ -35,21 +35,21 @@ DEFAULT = UseDefault.DEFAULT
 Timeout = float | None | UseDefault
 
 
-def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
+def resolve_timeout(timeout: Timeout, default: float | None, name: str = "timeout") -> float | None:
     """*timeout*, or *default* where it is :data:`DEFAULT` (or ``...``, its older spelling);
     raise :class:`ValueError` for what is not a number of seconds >= 0 or None."""
     if timeout is DEFAULT or timeout is ...:  # type: ignore[comparison-overlap]
         return default
-    return checked_timeout(timeout)  # type: ignore[arg-type]
+    return checked_timeout(timeout, name)  # type: ignore[arg-type]
 
 
-def checked_timeout(timeout: float | None) -> float | None:
+def checked_timeout(timeout: float | None, name: str = "timeout") -> float | None:
     """*timeout* if it is None or a number of seconds >= 0 (0: do not wait); else raise
     :class:`ValueError` before anything is sent or awaited."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:  # (NaN fails >=)
-        raise ValueError(f"timeout must be a number of seconds >= 0, or None for no bound; got {timeout!r}")
+        raise ValueError(f"{name} must be a number of seconds >= 0, or None for no bound; got {timeout!r}")
     return timeout
 
 

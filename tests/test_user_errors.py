@@ -233,6 +233,12 @@ def test_any_valid_timeout_makes_a_multi_host_scheme_with_a_derived_silence_time
     assert relay_side.silence_timeout == scheme.silence_timeout
 
 
+@pytest.mark.parametrize("bad", [-1, float("nan"), "5"], ids=repr)
+def test_a_silence_timeout_that_is_no_duration_is_refused_by_name(bad: Any) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"silence_timeout must be a number of seconds >= 0, or None for no bound; got {bad!r}")):
+        DistributedWeightSyncScheme(timeout=60, silence_timeout=bad)
+
+
 def test_an_explicit_silence_timeout_not_longer_than_the_heartbeat_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=re.escape("silence_timeout (1) must be longer than heartbeat (1.0)")):
         DistributedWeightSyncScheme(timeout=60, silence_timeout=1)

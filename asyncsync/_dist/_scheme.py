@@ -168,7 +168,7 @@ class DistributedWeightSyncScheme:
         self.heartbeat = heartbeat
         # the default is derived, so that any valid timeout works: at least SILENCE_BEATS heartbeats
         derived = None if timeout is None else max(timeout, SILENCE_BEATS * heartbeat)
-        self.silence_timeout = resolve_timeout(silence_timeout, derived)
+        self.silence_timeout = resolve_timeout(silence_timeout, derived, "silence_timeout")
         if self.silence_timeout is not None and not self.silence_timeout > heartbeat:  # only an explicit one can be
             raise ValueError(
                 f"silence_timeout ({self.silence_timeout}) must be longer than heartbeat ({heartbeat}): a peer beats every"
