@@ -282,3 +282,26 @@ def test_poll_with_manual_commits_is_refused_before_a_rank_builds_its_relay() ->
     with pytest.raises(RuntimeError, match="init_on_relay"):
         _ = rank.relay  # nothing was built: the scheme can still be set up
     rank.init_on_receiver(model=make_model())  # e.g. without polling
+
+
+async def test_a_rank_whose_own_code_raises_in_its_block_names_the_error_on_the_trainer() -> None:
+    common = _common(free_port())
+    trainer = DistributedWeightSyncScheme(rank=0, **common)
+    trainer.init_on_sender(model=make_model(), hosts={1: 1})
+    rank = DistributedWeightSyncScheme(rank=1, **common)
+    rank.init_on_receiver(model=make_model())
+
+    async def rank_code() -> None:
+        async with rank:  # the rank's `async with scheme:` block
+            raise ValueError("bad observation shape (3,)")
+
+    try:
+        results = await asyncio.gather(trainer.connect(), rank_code(), return_exceptions=True)
+        assert results[0] == 0 and isinstance(results[1], ValueError)
+        await trainer.sender.wait_dead((1, 0), timeout=30)
+        row = trainer.statistics().worker((1, 0))
+        assert row.state == "left" and row.reason is not None, (row.state, row.reason)
+        assert "its code raised ValueError: bad observation shape (3,)" in row.reason, row.reason
+    finally:
+        await trainer.aclose()
+        await rank.aclose()

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._core._acks import AckTracker, WorkerRecord
+from .._core._acks import GONE, AckTracker, WorkerRecord
 from .._core._layout import Layout
 from .._core._signal import Signal
 from .._errors import AuthenticationError, BrokenChannelError, HostLostError, ProtocolError, WorkerDiedError, WorkerLeftError
@@ -307,7 +307,8 @@ class HostTable:
             h.reason = reason
             logger.warning("asyncsync: host %d lost: %s", h.idx, reason)
             for w in h.workers.values():
-                self.acks.lost(w.wid, "dead", HostLostError(h.idx, w.wid, reason, h.pid))
+                if self.acks.records[w.wid].state not in GONE:  # one that left or died before keeps its own reason
+                    self.acks.lost(w.wid, "dead", HostLostError(h.idx, w.wid, reason, h.pid))
         h.stream = None
         self.regroup = True  # without it (also while a generation is forming)
         self.changed.notify()
