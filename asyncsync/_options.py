@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -48,7 +50,7 @@ def checked_timeout(timeout: float | None, name: str = "timeout") -> float | Non
     :class:`ValueError` before anything is sent or awaited."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:  # (NaN fails >=)
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:  # (NaN fails >=)
         raise ValueError(f"{name} must be a number of seconds >= 0, or None for no bound; got {timeout!r}")
     return timeout
 
@@ -79,7 +81,7 @@ class SchemeOptions:
         choice("commit", self.commit, ("swap", "copy"))
         choice("commit_mode", self.commit_mode, ("auto", "manual"))
         choice("on_worker_error", self.on_worker_error, ("raise", "skip"))
-        if self.timeout is not None and self.timeout <= 0:
+        if self.timeout is not None and not (checked_timeout(self.timeout) > 0):  # (a NaN is refused there)
             raise ValueError(f"timeout must be positive or None, got {self.timeout}")
         dtype = self.transfer_dtype
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -218,7 +218,12 @@ async def test_a_bad_timeout_is_refused_before_anything_is_sent(bad: Any) -> Non
 
 async def test_a_bad_timeout_is_refused_on_the_multi_host_trainer() -> None:
     async with open_loopback_hosts(make_model(), make_model, hosts={1: 1}, timeout=30) as lh:
-        for call in (lambda: lh.trainer.send(timeout=-1), lambda: lh.trainer.wait_async(timeout=float("nan"))):
+        for call in (
+            lambda: lh.trainer.send(timeout=-1),
+            lambda: lh.trainer.wait_async(timeout=float("nan")),
+            lambda: lh.trainer.sender.wait_lost(1, timeout=-1),
+            lambda: lh.trainer.sender.wait_dead((1, 0), timeout=float("nan")),
+        ):
             with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
                 await call()
         assert lh.trainer.version == 0
@@ -279,3 +284,94 @@ async def test_a_remote_workers_code_that_raises_in_its_block_is_named_on_the_mu
         with pytest.raises(WorkerLeftError, match=re.escape(r"worker (1, 0)")) as info:
             await lh.trainer.send()
         assert "its code raised ValueError: bad observation shape (3,)" in str(info.value)
+
+
+async def test_a_bad_timeout_is_refused_before_connect_starts_anything() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    worker = loopback_worker(scheme, 0)
+    worker.init_on_receiver(worker_idx=0, model=make_model())
+    try:
+        with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+            await worker.connect(timeout=-1)
+        assert worker.receiver.statistics().version == -1 and not worker.receiver.stopped  # nothing started
+        with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+            await scheme.connect(timeout=float("nan"))
+        with pytest.raises(RuntimeError, match="connect"):
+            await scheme.send()  # the sender was not opened
+        assert await asyncio.gather(scheme.connect(), worker.connect()) == [0, 0]  # both go on
+        for call in (lambda: scheme.sender.wait_dead(0, timeout=-1), lambda: scheme.sender.wait_joined(0, timeout=float("nan"))):
+            with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+                await call()
+    finally:
+        await scheme.aclose()
+        await worker.aclose()
+
+
+async def test_any_real_number_is_a_timeout() -> None:
+    import numpy as np
+
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    async with open_loopback(scheme, make_model):
+        assert await scheme.send(timeout=np.float32(5.0)) == 1
+        assert await scheme.send(timeout=np.int64(5)) == 2
+
+
+@pytest.mark.parametrize("scheme_class", [MultiProcessWeightSyncScheme, DistributedWeightSyncScheme])
+def test_a_nan_scheme_timeout_is_refused_by_name(scheme_class: type) -> None:
+    with pytest.raises(ValueError, match=r"^timeout must be a number of seconds >= 0, or None for no bound; got nan$"):
+        scheme_class(timeout=float("nan"))
+
+
+class _UnreadableError(Exception):
+    def __str__(self) -> str:
+        raise KeyError("broken __str__")
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [
+        (_UnreadableError(), "its code raised _UnreadableError: (its message could not be read)"),
+        (ValueError("bad path /data/" + b"\xff".decode("utf-8", "surrogateescape") + ".bin"), r"its code raised ValueError: bad path /data/\udcff.bin"),
+    ],
+    ids=["unreadable", "surrogate"],
+)
+async def test_a_workers_error_whatever_its_message_ends_its_block_closed_and_named(error: Exception, said: str) -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    worker = loopback_worker(scheme, 0)
+    worker.init_on_receiver(worker_idx=0, model=make_model())
+
+    async def worker_code() -> None:
+        async with worker:
+            await scheme.wait_async(0)
+            raise error
+
+    try:
+        results = await asyncio.gather(scheme.connect(), worker_code(), return_exceptions=True)
+        assert results[1] is error  # the user's own error leaves the block
+        assert worker.receiver.stopped  # and the receiver was closed
+        with pytest.raises(WorkerLeftError) as info:
+            await scheme.send()
+        assert info.value.reason == said
+    finally:
+        await scheme.aclose()
+        await worker.aclose()
+
+
+async def test_a_bad_timeout_is_refused_before_an_attaching_worker_dials() -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    address = await scheme.listen()
+    worker = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
+    worker.init_on_receiver(worker_idx=0, model=make_model())
+    try:
+        for bad in (-1, float("nan"), "5"):
+            with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+                await worker.connect(timeout=bad)
+        assert scheme.listener is not None and scheme.listener.refused == 0  # it never dialled
+        assert await asyncio.gather(scheme.connect(), worker.connect()) == [0, 0]
+    finally:
+        await scheme.aclose()
+        await worker.aclose()

@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from .._errors import ClosedError, SyncTimeoutError, WorkerDiedError, WorkerError
-from .._options import DEFAULT, UseDefault
+from .._options import DEFAULT, UseDefault, checked_timeout
 from .._stats import WorkerStatistics
 from ._signal import Signal
 
@@ -335,6 +335,7 @@ class AckTracker(Generic[W, R]):
         A worker that is gone is waited for on its next connection; raises its death if
         that one goes too, and :class:`WorkerError` if it rejected that version.
         """
+        timeout = checked_timeout(timeout)
         awaited = {wid: self._awaited_generation(self.records[wid]) for wid in wids}
 
         def joined() -> bool:
@@ -361,6 +362,7 @@ class AckTracker(Generic[W, R]):
 
     async def wait_gone(self, wids: Sequence[W], timeout: float | None, what: str) -> None:
         """Wait until each of *wids* is known to be gone (dead, left or stopped)."""
+        timeout = checked_timeout(timeout)
         gone = (*GONE, "stopped")
         if not await self._changed.wait_until(lambda: all(self.records[w].state in gone for w in wids) or self._phase() != "running", timeout):
             raise SyncTimeoutError(what, {wid: self.records[wid].applied for wid in wids}, timeout)  # type: ignore[misc]

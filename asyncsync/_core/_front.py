@@ -184,9 +184,9 @@ class SenderCore(Generic[W, R]):
 
     async def _connect(self, timeout: Timeout, weights: Any) -> int:
         """Start, send the initial weights (once), wait for every worker's ack of version 0."""
+        deadline = self._deadline(timeout)  # a bad timeout is refused before anything opens
         await self._open()
         t0 = time.monotonic()
-        deadline = self._deadline(timeout)
         if self._version < 0:
             await self.send_async(weights, timeout=deadline)
         await self._wait(0, None, None, deadline.remaining(), "connect", reported_timeout=deadline.timeout)

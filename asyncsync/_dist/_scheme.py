@@ -517,15 +517,17 @@ class DistributedWeightSyncScheme:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._worker is not None and isinstance(exc, Exception):
-            # A rank that is its own worker, whose code failed in the block: the worker's
-            # goodbye names the error (the local scheme's rule), and its relay passes it
-            # on to the trainer before the relay itself leaves.
-            await self._worker.__aexit__(exc_type, exc, tb)
-            if self._relay_loop is not None and self._local is not None:
-                with contextlib.suppress(Exception):
-                    await self._relay_loop.call(self._local.sender.wait_dead(0, timeout=5.0))
-        await self.aclose()
+        try:
+            if self._worker is not None and isinstance(exc, Exception):
+                # A rank that is its own worker, whose code failed in the block: the worker's
+                # goodbye names the error (the local scheme's rule), and its relay passes it
+                # on to the trainer before the relay itself leaves.
+                await self._worker.__aexit__(exc_type, exc, tb)
+                if self._relay_loop is not None and self._local is not None:
+                    with contextlib.suppress(Exception):
+                        await self._relay_loop.call(self._local.sender.wait_dead(0, timeout=5.0))
+        finally:
+            await self.aclose()
 
     def statistics(self) -> DistributedStatistics | SenderStatistics | ReceiverStatistics:
         """Trainer: :class:`DistributedStatistics`. Relay: its local sender's statistics.

@@ -28,7 +28,7 @@ import torch
 from .._core._front import SenderCore
 from .._core._layout import Layout
 from .._errors import ClosedError, SyncTimeoutError, WeightsError
-from .._options import DEFAULT, Timeout
+from .._options import DEFAULT, Timeout, checked_timeout
 from .._stats import DistributedStatistics, HostStatistics
 from .._wire._protocol import Stop
 from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
@@ -168,6 +168,7 @@ class DistSender(SenderCore[WorkerId, RemoteWorker]):
     async def wait_lost(self, host: int, timeout: float | None = None) -> None:
         """Wait until the trainer has declared *host* lost."""
         h = self._host(host)
+        timeout = checked_timeout(timeout)
         if not await self._changed.wait_until(lambda: h.state in ("dead", "left", "stopped") or self._state != "running", timeout):
             raise SyncTimeoutError(f"waiting for host {host} to be declared lost", {}, timeout)
 

@@ -165,6 +165,7 @@ class Receiver:
         After a connect that timed out or was cancelled, call it again: the receiver task
         started by the first call goes on, and the new call waits for the same initial weights.
         """
+        limit = resolve_timeout(timeout, self.timeout)  # a bad one is refused before anything starts
         if self._state == "closed":
             raise ClosedError(f"worker {self.worker_idx}: the receiver is closed")
         if self._connected:
@@ -175,7 +176,6 @@ class Receiver:
             if self.polled:
                 self._queue.put_bytes_nowait(encode(Poll(self.worker_idx)))
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"asyncsync-receiver-{self.worker_idx}")
-        limit = resolve_timeout(timeout, self.timeout)
         # Done once the first instruction is answered: applied, staged (manual mode), or
         # rejected (then the worker keeps its own weights and keeps running; the sender raises).
         # A polled receiver also waits for its mailbox: from then on, polls see every version.
@@ -539,8 +539,8 @@ class Receiver:
                 if roles.detach(lambda ts: {k: t.clone() for k, t in ts.items()}):
                     for key, t in self._committer.targets.items():
                         t.data = roles.live.tensors[key]
-        if not self._no_bye:
-            self._send(Bye(self.worker_idx, self._version, reason))
+        if not self._no_bye:  # (a reason quoting the user's text may hold what UTF-8 cannot)
+            self._send(Bye(self.worker_idx, self._version, reason.encode("utf-8", "backslashreplace").decode("utf-8")))
         self._queue.close()
         self._staging.close()  # a pending set still viewing a slot was copied above
         if self._mailbox is not None:

@@ -39,7 +39,7 @@ from .._core._strategy import Strategy, as_user_weights, resolve_model, to_flat
 from .._errors import ClosedError
 from .._io._slots import SlotPool
 from .._io._staging import device_problem
-from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice
+from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, choice, resolve_timeout
 from .._stats import ReceiverStatistics, SenderStatistics
 from ._attach import Listener, WorkerAddress, adopt_into, dial, placeholder_connection
 from ._receiver import Commit, CommitMode, OnUpdate, Receiver
@@ -470,7 +470,7 @@ class MultiProcessWeightSyncScheme:
         side = self._side()
         if self._attach is not None and isinstance(side, Receiver) and side._state == "new":
             address, idx = self._attach
-            deadline = Deadline(self.timeout if isinstance(timeout, UseDefault) else timeout)
+            deadline = Deadline(resolve_timeout(timeout, self.timeout))  # a bad one is refused before dialling
             adopt_into(await dial(address, idx, deadline.remaining()), side._queue.fileno())
             timeout = deadline.remaining()
         return await side.connect(timeout=timeout)
@@ -494,11 +494,13 @@ class MultiProcessWeightSyncScheme:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._sender is None and self._receiver is not None and isinstance(exc, Exception):
-            # The worker's own code failed inside the block: its goodbye says so, and the
-            # sender's WorkerLeftError (a multi-host trainer's too) carries it.
-            await self._receiver._close(f"its code raised {_summary(exc)}")
-        await self.aclose()
+        try:
+            if self._sender is None and self._receiver is not None and isinstance(exc, Exception):
+                # The worker's own code failed inside the block: its goodbye says so, and the
+                # sender's WorkerLeftError (a multi-host trainer's too) carries it.
+                await self._receiver._close(f"its code raised {_summary(exc)}")
+        finally:
+            await self.aclose()
 
     def statistics(self) -> SenderStatistics | ReceiverStatistics:
         """Sender: versions, lags, errors per worker. Worker: its own version and timings."""
@@ -660,8 +662,12 @@ class _SharedFd:
 
 
 def _summary(exc: BaseException, limit: int = 400) -> str:
-    """``Type: message`` of *exc*, cut to about *limit* characters."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """``Type: message`` of *exc*, cut to about *limit* characters (whatever its ``__str__`` does)."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = "(its message could not be read)"
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
