@@ -15,6 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from tensordict import TensorDict
@@ -372,6 +373,41 @@ async def test_a_bad_timeout_is_refused_before_an_attaching_worker_dials() -> No
                 await worker.connect(timeout=bad)
         assert scheme.listener is not None and scheme.listener.refused == 0  # it never dialled
         assert await asyncio.gather(scheme.connect(), worker.connect()) == [0, 0]
+    finally:
+        await scheme.aclose()
+        await worker.aclose()
+
+
+async def test_a_cancelled_worker_aclose_still_ends_everything() -> None:
+    """A close cancelled as soon as it began (a task group cancelling at shutdown) goes on
+    by itself: the goodbye goes out and the worker's running callback is cancelled."""
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
+    running, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def on_update(weights: Any, version: int) -> None:
+        if version == 1:
+            running.set()
+            try:
+                await asyncio.Event().wait()  # a long callback
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    worker = loopback_worker(scheme, 0)
+    worker.init_on_receiver(worker_idx=0, model=make_model(), on_update=on_update)
+    try:
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await scheme.send()
+        await running.wait()
+        closing = asyncio.ensure_future(worker.aclose())
+        asyncio.get_running_loop().call_soon(closing.cancel)  # runs right after the close's first step
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await scheme.sender.wait_dead(0, timeout=10)  # its goodbye went out
+        assert scheme.statistics().worker(0).state == "left"
+        await asyncio.wait_for(cancelled.wait(), 10)  # and its callback was cancelled
+        assert worker.receiver.stopped and worker.statistics().version == 1
     finally:
         await scheme.aclose()
         await worker.aclose()

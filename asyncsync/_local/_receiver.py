@@ -304,6 +304,11 @@ class Receiver:
             return
         self._state = "closed"
         self._close_reason = reason
+        # In a task of its own: a close that is itself cancelled still goes on to end the
+        # receiver task, cancel the worker's callbacks and free what they held.
+        await asyncio.shield(asyncio.ensure_future(self._finish_close(reason)))
+
+    async def _finish_close(self, reason: str) -> None:
         task = self._task
         if task is not None and not task.done():
             task.cancel()
