@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import os
@@ -690,18 +691,12 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
         raise LeakError("asyncsync leak check: " + "; ".join(problems))
 
 
-_store_pipe_opened = False
-
-
+@functools.cache  # once per process
 def _open_store_pipe() -> None:
     """Open what torch keeps for the life of the process once it made a rendezvous store:
     its first ``TCPStore`` server leaves a pipe open after the store is gone (a multi-host
     scheme's trainer hosts one). Once per process: a throwaway store on an ephemeral port
     of 127.0.0.1, so that the pipe exists before the leak check's snapshot."""
-    global _store_pipe_opened
-    if _store_pipe_opened:
-        return
-    _store_pipe_opened = True
     try:
         store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     except Exception:  # no loopback, or a torch without the store: then no test here makes one
@@ -709,17 +704,11 @@ def _open_store_pipe() -> None:
     del store
 
 
-_uvloop_primed = False
-
-
+@functools.cache  # once per process
 def _open_uvloops_pipe() -> None:
     """Where uvloop is installed, make (and close) one of its loops now: libuv's first loop in
     a process opens a pipe kept for the process's life (its signal lock), which would
     otherwise count as a leak of the block that made the process's first uvloop loop."""
-    global _uvloop_primed
-    if _uvloop_primed:
-        return
-    _uvloop_primed = True
     try:
         import uvloop
     except ImportError:

@@ -13,6 +13,7 @@ import pickle
 import re
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -252,28 +253,41 @@ def test_an_explicit_silence_timeout_not_longer_than_the_heartbeat_is_refused_by
     assert DistributedWeightSyncScheme(timeout=1, silence_timeout=None).silence_timeout is None
 
 
-async def test_a_workers_code_that_raises_in_its_block_is_named_in_the_senders_error() -> None:
-    trainer = make_model()
+@contextlib.asynccontextmanager
+async def _one_loopback_worker(**receiver: Any) -> AsyncIterator[tuple[MultiProcessWeightSyncScheme, MultiProcessWeightSyncScheme]]:
+    """A trainer's scheme for one worker, and that worker's side in this loop (made with
+    *receiver* options, not connected yet); both closed at the end."""
     scheme = MultiProcessWeightSyncScheme(timeout=10)
-    scheme.init_on_sender(model=trainer, num_workers=1)
+    scheme.init_on_sender(model=make_model(), num_workers=1)
     worker = loopback_worker(scheme, 0)
-    worker.init_on_receiver(worker_idx=0, model=make_model())
+    worker.init_on_receiver(worker_idx=0, model=make_model(), **receiver)
+    try:
+        yield scheme, worker
+    finally:
+        await scheme.aclose()
+        await worker.aclose()
+
+
+async def _raise_in_the_block(scheme: MultiProcessWeightSyncScheme, worker: MultiProcessWeightSyncScheme, error: Exception) -> list[Any]:
+    """Connect both; the worker's code raises *error* inside its own ``async with scheme:``
+    block. Returns what the two gave (the trainer's version 0, the worker's error)."""
 
     async def worker_code() -> None:
         async with worker:  # the worker's own `async with scheme:` block
             await scheme.wait_async(0)
-            raise RuntimeError("the env server could not reset")
+            raise error
 
-    try:
-        results = await asyncio.gather(scheme.connect(), worker_code(), return_exceptions=True)
+    return await asyncio.gather(scheme.connect(), worker_code(), return_exceptions=True)
+
+
+async def test_a_workers_code_that_raises_in_its_block_is_named_in_the_senders_error() -> None:
+    async with _one_loopback_worker() as (scheme, worker):
+        results = await _raise_in_the_block(scheme, worker, RuntimeError("the env server could not reset"))
         assert isinstance(results[1], RuntimeError)
         with pytest.raises(WorkerLeftError) as info:
             await scheme.send()
         assert re.fullmatch(r"worker 0 (\(pid \d+\) )?left at version 0: its code raised RuntimeError: the env server could not reset", str(info.value)), str(info.value)
         assert info.value.reason == "its code raised RuntimeError: the env server could not reset"
-    finally:
-        await scheme.aclose()
-        await worker.aclose()
 
 
 async def test_a_remote_workers_code_that_raises_in_its_block_is_named_on_the_multi_host_trainer() -> None:
@@ -288,11 +302,7 @@ async def test_a_remote_workers_code_that_raises_in_its_block_is_named_on_the_mu
 
 
 async def test_a_bad_timeout_is_refused_before_connect_starts_anything() -> None:
-    scheme = MultiProcessWeightSyncScheme(timeout=10)
-    scheme.init_on_sender(model=make_model(), num_workers=1)
-    worker = loopback_worker(scheme, 0)
-    worker.init_on_receiver(worker_idx=0, model=make_model())
-    try:
+    async with _one_loopback_worker() as (scheme, worker):
         with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
             await worker.connect(timeout=-1)
         assert worker.receiver.statistics().version == -1 and not worker.receiver.stopped  # nothing started
@@ -304,9 +314,6 @@ async def test_a_bad_timeout_is_refused_before_connect_starts_anything() -> None
         for call in (lambda: scheme.sender.wait_dead(0, timeout=-1), lambda: scheme.sender.wait_joined(0, timeout=float("nan"))):
             with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
                 await call()
-    finally:
-        await scheme.aclose()
-        await worker.aclose()
 
 
 async def test_any_real_number_is_a_timeout() -> None:
@@ -339,26 +346,13 @@ class _UnreadableError(Exception):
     ids=["unreadable", "surrogate"],
 )
 async def test_a_workers_error_whatever_its_message_ends_its_block_closed_and_named(error: Exception, said: str) -> None:
-    scheme = MultiProcessWeightSyncScheme(timeout=10)
-    scheme.init_on_sender(model=make_model(), num_workers=1)
-    worker = loopback_worker(scheme, 0)
-    worker.init_on_receiver(worker_idx=0, model=make_model())
-
-    async def worker_code() -> None:
-        async with worker:
-            await scheme.wait_async(0)
-            raise error
-
-    try:
-        results = await asyncio.gather(scheme.connect(), worker_code(), return_exceptions=True)
+    async with _one_loopback_worker() as (scheme, worker):
+        results = await _raise_in_the_block(scheme, worker, error)
         assert results[1] is error  # the user's own error leaves the block
         assert worker.receiver.stopped  # and the receiver was closed
         with pytest.raises(WorkerLeftError) as info:
             await scheme.send()
         assert info.value.reason == said
-    finally:
-        await scheme.aclose()
-        await worker.aclose()
 
 
 async def test_a_bad_timeout_is_refused_before_an_attaching_worker_dials() -> None:
@@ -381,8 +375,6 @@ async def test_a_bad_timeout_is_refused_before_an_attaching_worker_dials() -> No
 async def test_a_cancelled_worker_aclose_still_ends_everything() -> None:
     """A close cancelled as soon as it began (a task group cancelling at shutdown) goes on
     by itself: the goodbye goes out and the worker's running callback is cancelled."""
-    scheme = MultiProcessWeightSyncScheme(timeout=10)
-    scheme.init_on_sender(model=make_model(), num_workers=1)
     running, cancelled = asyncio.Event(), asyncio.Event()
 
     async def on_update(weights: Any, version: int) -> None:
@@ -394,9 +386,7 @@ async def test_a_cancelled_worker_aclose_still_ends_everything() -> None:
                 cancelled.set()
                 raise
 
-    worker = loopback_worker(scheme, 0)
-    worker.init_on_receiver(worker_idx=0, model=make_model(), on_update=on_update)
-    try:
+    async with _one_loopback_worker(on_update=on_update) as (scheme, worker):
         await asyncio.gather(scheme.connect(), worker.connect())
         await scheme.send()
         await running.wait()
@@ -408,6 +398,3 @@ async def test_a_cancelled_worker_aclose_still_ends_everything() -> None:
         assert scheme.statistics().worker(0).state == "left"
         await asyncio.wait_for(cancelled.wait(), 10)  # and its callback was cancelled
         assert worker.receiver.stopped and worker.statistics().version == 1
-    finally:
-        await scheme.aclose()
-        await worker.aclose()

@@ -306,14 +306,14 @@ class Receiver:
         self._close_reason = reason
         # In a task of its own: a close that is itself cancelled still goes on to end the
         # receiver task, cancel the worker's callbacks and free what they held.
-        await asyncio.shield(asyncio.ensure_future(self._finish_close(reason)))
+        await asyncio.shield(asyncio.ensure_future(self._finish_close()))
 
-    async def _finish_close(self, reason: str) -> None:
+    async def _finish_close(self) -> None:
         task = self._task
         if task is not None and not task.done():
             task.cancel()
-            await asyncio.wait([task])
-        self._release(reason)
+            await asyncio.wait([task])  # (its end releases, with the close's reason)
+        self._release(self._close_reason)
         await self._staging.wait_closed()  # a staging copy cut short ends first, off the loop
         await self._committer.aclose()
 
