@@ -45,7 +45,7 @@ from .._errors import ClosedError
 from .._io._loop_thread import LoopThread
 from .._local._loopback import loopback_worker
 from .._local._receiver import Commit, CommitMode, OnUpdate, Receiver
-from .._local._scheme import MultiProcessWeightSyncScheme, _parse_device
+from .._local._scheme import MultiProcessWeightSyncScheme, _check_poll, _parse_device
 from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
 from .._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
 from ._control import resolve_token
@@ -402,8 +402,7 @@ class DistributedWeightSyncScheme:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
         if device is not None:
             _parse_device(device, "init_on_receiver")  # before the relay takes anything
-        if poll and self._scheme_options.commit_mode == "manual":  # the local check, before the relay is built
-            raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
+        _check_poll(poll, self._scheme_options.commit_mode)  # the local scheme's check, before the relay is built
         local = self.init_on_relay(model=model, num_workers=1, host=host)
         worker = loopback_worker(local, 0)
         worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device, poll=poll)

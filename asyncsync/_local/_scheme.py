@@ -418,8 +418,7 @@ class MultiProcessWeightSyncScheme:
             self._endpoints[worker_idx] = placeholder_connection()  # the socket lands behind it at connect()
         if worker_idx is None:
             raise TypeError("init_on_receiver() needs worker_idx=")
-        if poll and self.commit_mode == "manual":
-            raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
+        _check_poll(poll, self.commit_mode)
         conn = self._endpoints.pop(worker_idx, None)
         if conn is None and getattr(self, "_before_init", False):
             raise RuntimeError(_BEFORE_INIT)
@@ -659,6 +658,12 @@ class _SharedFd:
 
         with resource_sharer._resource_sharer.get_connection(self._id) as conn:  # type: ignore[attr-defined]
             return int(reduction.recv_handle(conn))
+
+
+def _check_poll(poll: bool, commit_mode: str) -> None:
+    """A polled receiver commits at each ``poll_nowait()``: refuse it with manual commits."""
+    if poll and commit_mode == "manual":
+        raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
 
 
 def _summary(exc: BaseException, limit: int = 400) -> str:
