@@ -7,7 +7,7 @@ import asyncio
 import math
 import struct
 import tracemalloc
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
@@ -24,13 +24,18 @@ from asyncsync import (
     loopback_worker,
 )
 from asyncsync._wire._codec import _DTYPES, PROTOCOL_VERSION, decode, encode
+from asyncsync._wire._local import FromWorker, ToWorker, decode_from_worker, decode_to_worker
 from asyncsync._wire._messages import (
     MAX_NDIM,
     MAX_SLOTS,
     MAX_STRING,
     Ack,
+    Beat,
     Bye,
+    Challenge,
+    Group,
     Hello,
+    Lost,
     Mailbox,
     MapSlots,
     Message,
@@ -243,6 +248,35 @@ def test_decode_takes_bytes_only() -> None:
         decode(10**12)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         decode("AS")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- the two directions
+
+CONTROL_PLANE: list[Message] = [Challenge(b"\x00" * 32), Beat(), Group(1, 0, 2, 64), Lost(0, None, "left")]  # no local peer sends these
+
+
+@pytest.mark.parametrize("msg", MESSAGES + CONTROL_PLANE, ids=lambda m: type(m).__name__)
+def test_each_direction_decodes_its_own_messages_and_refuses_the_others_by_name(msg: Message) -> None:
+    frame = encode(msg)
+    for decode_one, kinds, sender in ((decode_to_worker, ToWorker, "a sender"), (decode_from_worker, FromWorker, "a worker")):
+        if isinstance(msg, get_args(kinds)):
+            assert decode_one(frame) == msg
+            assert decode_one(memoryview(frame)) == msg
+        else:
+            with pytest.raises(ProtocolError, match=rf"^{type(msg).__name__}: {sender} never sends this message$"):
+                decode_one(frame)
+
+
+def test_a_message_of_the_other_direction_is_refused_before_its_payload_is_read() -> None:
+    cut = _fix_length(encode(Setup(LAYOUT, None, 1))[:20])  # a Setup cut inside its layout
+    with pytest.raises(ProtocolError, match="^Setup: a worker never sends this message$"):
+        decode_from_worker(cut)
+    with pytest.raises(ProtocolError, match="Setup: field 'layout'"):
+        decode_to_worker(cut)
+    with pytest.raises(ProtocolError, match="frame: field 'magic'"):  # the header is checked first
+        decode_from_worker(b"XY" + cut[2:])
+    with pytest.raises(ProtocolError, match="frame: field 'header': truncated"):
+        decode_from_worker(cut[:5])
 
 
 # ------------------------------------------------------------------------------ fuzzing
