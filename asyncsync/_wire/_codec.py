@@ -528,16 +528,17 @@ def decoder(kinds: Iterable[type], refusal: str) -> Callable[[Frame], Any]:
     :class:`ProtocolError` naming it and saying *refusal*, before its payload is read."""
     table = {_CODES[kind]: _DECODERS[_CODES[kind]] for kind in kinds}
 
-    def decode(data: Frame) -> Any:
+    # Defaults, not a closure's cells: local lookups, some 10 ns less on every Receive.
+    def decode(data: Frame, _table: dict[int, Callable[[bytes], Any]] = table, _refusal: str = refusal) -> Any:
         if type(data) is not bytes:
             if not isinstance(data, (bytearray, memoryview)):
                 raise TypeError(f"decode() takes bytes, not {type(data).__name__}")
             data = bytes(data)
         try:
-            read = table[data[3]]
+            read = _table[data[3]]
         except (IndexError, KeyError):
             name, _ = _header(data, "the header alone")  # raises: too short, or a bad magic, version or type
-            raise ProtocolError(f"{name}: {refusal}") from None
+            raise ProtocolError(f"{name}: {_refusal}") from None
         return read(data)
 
     return decode
