@@ -139,7 +139,7 @@ def _text(value: str, field: str, shorten: bool = False) -> bytes:
     return raw
 
 
-def _slot(value: int | None, none: int = _NONE) -> int:
+def _slot(value: int | None, none: int) -> int:
     """*value* on the wire, where *none* stands for None (so *none* itself cannot travel)."""
     if value is None:
         return none
@@ -171,7 +171,7 @@ def _encode_ack(m: Ack) -> bytes:
     err = b"" if m.error is None else _text(m.error, "error", shorten=True)
     n = _NONE if m.error is None else len(err)
     head = _ACK_S.pack(
-        MAGIC, PROTOCOL_VERSION, _ACK, _ACK_S.size - _H + len(err), m.worker_idx, m.version, bool(m.ok), _slot(m.holds), m.stage_s, m.commit_s, n
+        MAGIC, PROTOCOL_VERSION, _ACK, _ACK_S.size - _H + len(err), m.worker_idx, m.version, bool(m.ok), _slot(m.holds, _NONE), m.stage_s, m.commit_s, n
     )
     return head + err if err else head
 
@@ -214,7 +214,7 @@ def _encode_map_slots(m: MapSlots) -> bytes:
     for sid, nbytes in zip(m.slot_ids, m.nbytes):
         if not 0 <= nbytes <= _MAX_I64:
             raise ValueError(f"MapSlots: slot {sid} has a size of {nbytes} bytes")
-        parts.append(_MAP_ENTRY.pack(_slot(sid), nbytes))
+        parts.append(_MAP_ENTRY.pack(_slot(sid, _NONE), nbytes))
     return b"".join(parts)
 
 
