@@ -25,7 +25,7 @@ from anyio import wait_all_tasks_blocked
 
 from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError, WorkerProcessError, spawn_workers
 from asyncsync._io._queues import AsyncQueue
-from asyncsync._wire._protocol import Mailbox, Poll, decode, encode
+from asyncsync._wire._local import Mailbox, Poll, decode_from_worker, decode_to_worker, encode
 from tests._targets import fill_, make_model
 
 # Spawned workers import torch: on a loaded machine that alone can take most of a minute.
@@ -160,8 +160,8 @@ class _Ctrl:
 
 
 def test_the_poll_messages_round_trip() -> None:
-    assert decode(encode(Poll(3))) == Poll(3)
-    assert decode(encode(Mailbox(64))) == Mailbox(64)
+    assert decode_from_worker(encode(Poll(3))) == Poll(3)
+    assert decode_to_worker(encode(Mailbox(64))) == Mailbox(64)
     with pytest.raises(ValueError, match="Mailbox"):
         encode(Mailbox(0))
 

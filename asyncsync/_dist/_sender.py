@@ -30,7 +30,7 @@ from .._core._layout import Layout
 from .._errors import ClosedError, SyncTimeoutError, WeightsError
 from .._options import DEFAULT, Timeout, checked_timeout
 from .._stats import DistributedStatistics, HostStatistics
-from .._wire._protocol import Stop
+from .._wire._control import Stop
 from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
 from ._hosts import Host, HostTable, RemoteWorker, WorkerId
 from ._transfer import Snapshot, Transfers

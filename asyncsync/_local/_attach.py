@@ -45,7 +45,7 @@ import anyio
 from .._core._deadline import Deadline
 from .._errors import AuthenticationError, ProtocolError, SyncTimeoutError
 from .._wire._auth import HANDSHAKE_LIMIT, mac, new_nonce, resolve_token, welcome_mac
-from .._wire._protocol import HEADER_BYTES, Auth, Bye, Challenge, Welcome, decode, encode
+from .._wire._control import HEADER_BYTES, Auth, Bye, Challenge, Welcome, decode_handshake, encode
 
 if TYPE_CHECKING:
     from ._sender import Sender
@@ -179,7 +179,7 @@ async def _recv_message(loop: asyncio.AbstractEventLoop, sock: socket.socket, li
     (size,) = _LEN.unpack(await _recv_exactly(loop, sock, _LEN.size))
     if size < HEADER_BYTES or size > HEADER_BYTES + limit:
         raise ProtocolError(f"a handshake frame of {size} bytes (at most {HEADER_BYTES + limit})")
-    return decode(await _recv_exactly(loop, sock, size))
+    return decode_handshake(await _recv_exactly(loop, sock, size))
 
 
 def _to_connection(sock: socket.socket) -> Connection:

@@ -38,7 +38,20 @@ from .._errors import BrokenChannelError, ClosedError, ProtocolError, WorkerDied
 from .._io._framing import HEADER
 from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
-from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Staged, decode, encode
+from .._wire._local import (
+    Ack,
+    Bye,
+    FromWorker,
+    Hello,
+    Mailbox,
+    MapSlots,
+    Poll,
+    Receive,
+    Staged,
+    assert_never,
+    decode_from_worker,
+    encode,
+)
 from ._poll import MAILBOX_BYTES, Wake
 from ._poll import Mailbox as _Mailbox
 
@@ -295,7 +308,7 @@ class LinkTable:
     def _on_frame(self, w: _Worker, link: _Link, data: bytes) -> bool:
         if link is not w.link:
             return False
-        msg = decode(data)
+        msg = decode_from_worker(data)
         if msg.__class__ is Ack:  # the one answer of every send: straight to its handler
             self._on_ack(w, link, msg)
         else:
@@ -314,7 +327,7 @@ class LinkTable:
             broken = exc if isinstance(exc, ProtocolError) else None
         link.tasks.append(asyncio.get_running_loop().create_task(self._on_lost(w, link, broken=broken)))
 
-    def _dispatch(self, w: _Worker, link: _Link, msg: Message) -> None:
+    def _dispatch(self, w: _Worker, link: _Link, msg: FromWorker) -> None:
         if isinstance(msg, Ack):
             self._on_ack(w, link, msg)
         elif isinstance(msg, Staged):
@@ -327,14 +340,14 @@ class LinkTable:
         elif isinstance(msg, Poll):
             self._on_poll(w, link)
         else:
-            raise ProtocolError(f"{type(msg).__name__}: a worker never sends this message")
+            assert_never(msg)
 
     def _drain(self, w: _Worker, link: _Link) -> None:
         """Read what the worker said before it went (its last acks, its ``Bye``)."""
         take_ack(w, link, self._on_ack)  # written before anything it said after it
         try:
             while True:
-                self._dispatch(w, link, decode(link.queue.get_bytes_nowait()))
+                self._dispatch(w, link, decode_from_worker(link.queue.get_bytes_nowait()))
         except (WouldBlock, BrokenChannelError, ClosedError):
             pass  # a malformed last word (ProtocolError) is ignored: the worker is gone anyway
 

@@ -31,7 +31,22 @@ from .._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDied
 from .._io._queues import AsyncQueue
 from .._options import DEFAULT, UseDefault, resolve_timeout
 from .._stats import ReceiverStatistics
-from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Setup, Staged, Stop, decode, encode
+from .._wire._local import (
+    Ack,
+    Bye,
+    Hello,
+    Mailbox,
+    MapSlots,
+    Poll,
+    Receive,
+    Setup,
+    Staged,
+    Stop,
+    ToWorker,
+    assert_never,
+    decode_to_worker,
+    encode,
+)
 from ._bucket import SlotBucket
 from ._commit import Commit, Committer, OnUpdate, bind_model
 from ._faults import installed as _installed_faults
@@ -354,7 +369,7 @@ class Receiver:
                 # descriptors follow on the socket and must be read before any message.
                 while not isinstance(batch[-1], (MapSlots, Mailbox, Stop)):
                     try:
-                        batch.append(decode(self._queue.get_bytes_nowait()))
+                        batch.append(decode_to_worker(self._queue.get_bytes_nowait()))
                     except WouldBlock:
                         break
                 if await self._handle(batch):
@@ -377,17 +392,17 @@ class Receiver:
             self._release(reason if reason is not None else self._close_reason)
             self._changed.notify()
 
-    async def _next_slow_message(self) -> Message:
+    async def _next_slow_message(self) -> ToWorker:
         """Listen on the channel until a message needs this task; return it.
 
         A ``Receive`` that commits straight from its slot is handled in the loop's reader
         callback (a callback runs between two awaits of every task, as a commit must).
         Anything that awaits (mapping slots, staging a copy, ``Stop``) comes back here.
         """
-        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[ToWorker] = asyncio.get_running_loop().create_future()
 
         def on_frame(data: bytes) -> bool:
-            msg = decode(data)
+            msg = decode_to_worker(data)
             if type(msg) is Receive and (self._faults is None or self._faults.idle) and self._receive_now(msg, 0):
                 return True
             waiter.set_result(msg)
@@ -403,7 +418,7 @@ class Receiver:
         finally:
             self._queue._unlisten()
 
-    async def _handle(self, batch: list[Message]) -> bool:
+    async def _handle(self, batch: list[ToWorker]) -> bool:
         """Process messages in order; of several Receives only the newest is applied."""
         newest = max((i for i, m in enumerate(batch) if isinstance(m, Receive)), default=-1)
         skipped = sum(isinstance(m, Receive) for m in batch) - (newest >= 0)
@@ -425,7 +440,7 @@ class Receiver:
             elif isinstance(msg, Stop):
                 return True
             elif not isinstance(msg, Receive):
-                raise ProtocolError(f"{type(msg).__name__}: a sender never sends this message")
+                assert_never(msg)
         return False
 
     def _on_setup(self, msg: Setup) -> None:

@@ -32,7 +32,7 @@ from .._errors import ClosedError, WeightsError
 from .._io._slots import Slot, SlotPool
 from .._options import DEFAULT, OnWorkerError, UseDefault
 from .._stats import SenderStatistics
-from .._wire._protocol import Setup, Stop, encode
+from .._wire._local import Setup, Stop, encode
 from ._links import LinkTable, SenderObserver, _Worker
 from ._publisher import Publisher, Reservation
 

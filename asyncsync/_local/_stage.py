@@ -26,7 +26,7 @@ from .._core._layout import Layout
 from .._core._ownership import BufferRoles, Weights
 from .._io._shm import Segment
 from .._io._staging import Stager, copy_tensors
-from .._wire._protocol import MapSlots, Receive
+from .._wire._local import MapSlots, Receive
 from ._commit import Binding
 from ._slotmap import SlotMap, check_segments
 

@@ -42,7 +42,7 @@ _OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "asyncsync/_core/_strategy.py", "asyncsync/_core/_signal.py", "asyncsync/_core/_flat.py")),
     ("receiver", ("asyncsync/_local/_receiver.py", "asyncsync/_local/_commit.py", "asyncsync/_local/_slotmap.py",
                   "asyncsync/_local/_bucket.py", "asyncsync/_local/_poll.py")),
-    ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_io/_pipe.py", "asyncsync/_io/_framing.py", "asyncsync/_wire/_protocol.py", "sendmsg", "recvmsg_into")),
+    ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_io/_pipe.py", "asyncsync/_io/_framing.py", "asyncsync/_wire/_codec.py", "sendmsg", "recvmsg_into")),
     ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),
     ("torch copy", ("_foreach_copy_", "asyncsync/_io/_staging.py")),
 )
