@@ -253,8 +253,16 @@ class Receiver:
         if news is None:
             return None
         seq, version, slot, skipped = news
-        if self._released or (self._faults is not None and not self._faults.idle):
-            return None  # ended; or a test's fault holds updates (they go through the task)
+        if self._released:
+            return None
+        faults = self._faults
+        if faults is not None and not faults.idle:  # a test's fault (asyncsync.testing)
+            refusal = faults.refusal
+            if faults.held or refusal is None:
+                return None  # it stays in the mailbox: the first poll after the hold applies the newest
+            mailbox.take(seq)
+            self._reject(Receive(version, slot, skipped), refusal)
+            return None
         if self._staging.waits_for(slot):
             return None  # its segment is not mapped yet (the receiver task does that next)
         mailbox.take(seq)
