@@ -5,7 +5,6 @@ delay holds the version in the mailbox until the block ends, a kill is named."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 
 import pytest
@@ -13,26 +12,16 @@ import torch
 
 from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError
 from asyncsync.testing import ProcessWorkers
-from tests._targets import fill_, make_model
+from tests._targets import LogRecords, fill_, make_model
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 async def polling_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme) -> tuple[int, list[str]]:
     """A polled worker's step loop: ``poll_nowait()`` every millisecond until stopped;
     returns its last version and what asyncsync logged in it."""
     torch.set_num_threads(1)
-    records = _Records()
-    logging.getLogger("asyncsync").addHandler(records)
+    records = LogRecords.install()
     model = make_model()
     scheme.init_on_receiver(worker_idx=worker_idx, model=model, poll=True)
     async with scheme:
