@@ -83,6 +83,11 @@ class SlotStaging:
         self.roles = BufferRoles(live, self._allocate_set, keep_free=binding.recyclable)
         return self.roles
 
+    def retarget(self, binding: Binding) -> None:
+        """The model's tensors were bound again (:func:`~._commit.rebind_model`: the same
+        dtypes, device and inference mode): new private sets are shaped like these."""
+        self._targets = binding.targets
+
     def _allocate_set(self) -> dict[str, torch.Tensor]:
         """A private set of device buffers shaped like the model (inference tensors where
         the model's are)."""
