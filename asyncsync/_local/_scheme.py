@@ -301,12 +301,14 @@ class MultiProcessWeightSyncScheme:
     async def listen(self, path: str | None = None, token: str | bytes | None = None) -> WorkerAddress:
         """Trainer: accept workers that attach by address (processes asyncsync did not start).
 
-        Listens on the Unix socket *path* (``"@name"``: a Linux abstract socket; None: a
-        fresh private directory). *token* is the shared secret (None: ``ASYNCSYNC_TOKEN``,
-        else a random one). Returns the :class:`WorkerAddress` to hand to the workers
-        (``str(address)`` or ``address.env()``); each calls :meth:`attach` with it. Call it
-        before ``connect()`` (which waits for every worker) or later; it accepts until
-        :meth:`aclose`, which removes the socket file (after it, ``listen()`` raises
+        Listens on the Unix socket *path*, made absolute (``"@name"``: a Linux abstract
+        socket; None: a fresh abstract socket on Linux, which leaves nothing behind even
+        after a crash, elsewhere a socket file in a fresh private directory). *token* is the
+        shared secret (None: ``ASYNCSYNC_TOKEN``, else a random one). Returns the
+        :class:`WorkerAddress` to hand to the workers (``str(address)`` or
+        ``address.env()``); each calls :meth:`attach` with it. Call it before ``connect()``
+        (which waits for every worker) or later; it accepts until :meth:`aclose`, which
+        removes a socket file and its private directory (after it, ``listen()`` raises
         :class:`ClosedError`). A restarted worker attaches again.
 
         Example::
