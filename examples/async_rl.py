@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"wrote {path}: {len(summaries)} runs ({runs})")
         return {}
     mode = "sync" if args.sync else "async"
-    print(f"imports done; training ({mode}) with {args.workers} worker processes...", flush=True)
+    print(f"imports done; training ({mode}) with {args.workers} worker process{'' if args.workers == 1 else 'es'}...", flush=True)
     summary = asyncio.run(train(args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
