@@ -11,8 +11,8 @@ os.environ.setdefault("ASYNCSYNC_START_METHOD", "forkserver")
 
 import asyncio
 import faulthandler
-import re
 import multiprocessing as mp
+import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
