@@ -12,6 +12,7 @@ os.environ.setdefault("ASYNCSYNC_START_METHOD", "forkserver")
 import asyncio
 import faulthandler
 import multiprocessing as mp
+import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -112,7 +113,17 @@ class _UvloopFactories:
         return {"uvloop": uvloop.new_event_loop}
 
 
+def selects_slow(markexpr: str) -> bool:
+    """The mark expression picks slow tests (``-m slow``, ``-m "slow or ray"``), not only
+    leaves them out (``not slow``)."""
+    return re.search(r"(?<!not )\bslow\b", markexpr) is not None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if config.option.verbose == 0 and selects_slow(config.option.markexpr or ""):
+        # Slow tests run for minutes each: name every test as it starts and as it ends
+        # (as -v does), so a long run shows where it is. -q keeps it quiet.
+        config.option.verbose = 1
     if TEST_LOOP == "asyncio":
         return
     if TEST_LOOP != "uvloop":

@@ -289,7 +289,7 @@ class AckTracker(Generic[W, R]):
                 wanted.append((wid, rec, v))
         need = len(wanted) if quorum is None else quorum
         if need > len(wanted):
-            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
+            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted worker{' was' if len(wanted) == 1 else 's were'} sent version {version}")
         has_quorum = quorum is not None
         left = self.missing(wanted, need, has_quorum, skip_gone)
         if not left:

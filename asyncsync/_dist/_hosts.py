@@ -203,7 +203,7 @@ class HostTable:
         h.tasks.append(loop.create_task(self._read_loop(h, stream)))
         stream.start_heartbeat(self.heartbeat)
         self.regroup = True
-        logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
+        logger.info("asyncsync: host %d joined from %s (relay pid %d, %d worker%s)", h.idx, peer, host.pid, h.num_workers, "" if h.num_workers == 1 else "s")
         self.changed.notify()
 
     async def _handshake(self, stream: ControlStream[FromRelay]) -> Auth:
@@ -221,7 +221,7 @@ class HostTable:
         if msg.host not in self.hosts:
             reason = f"host {msg.host} is not one of the trainer's hosts {sorted(self.hosts)}"
         elif msg.num_workers != self.hosts[msg.host].num_workers:
-            reason = f"host {msg.host} has {msg.num_workers} workers (num_workers), the trainer expects {self.hosts[msg.host].num_workers}"
+            reason = f"host {msg.host} has {msg.num_workers} worker{'' if msg.num_workers == 1 else 's'} (num_workers), the trainer expects {self.hosts[msg.host].num_workers}"
         if reason is not None:
             try:
                 stream.send(Bye(msg.host, -1, reason))

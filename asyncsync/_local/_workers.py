@@ -30,6 +30,7 @@ a second. Neither copies the trainer's state into a worker. Progress is logged o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -260,6 +261,7 @@ class WorkerGroup:
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
+        _check_importable(fn)
         if worker_ids is None:
             if num_workers is None:
                 raise ValueError("pass num_workers or worker_ids")
@@ -347,7 +349,7 @@ class WorkerGroup:
                 done, pending = await asyncio.wait(waits, timeout=step, return_when=asyncio.FIRST_EXCEPTION)
                 if not pending or any(w.exception() is not None for w in done) or (left is not None and left <= step):
                     break
-                logger.info("asyncsync: %d/%d workers started, %.0f s...", n - len(pending), n, time.monotonic() - since)
+                logger.info("asyncsync: %d/%d worker%s started, %.0f s...", n - len(pending), n, "" if n == 1 else "s", time.monotonic() - since)
         finally:
             for w in waits:
                 w.cancel()
@@ -565,6 +567,19 @@ class WorkerGroup:
                     p.close()
                 except ValueError:
                     pass
+
+
+def _check_importable(fn: Callable[..., Any]) -> None:
+    """A worker process imports *fn* by name (spawn and forkserver pickle it by reference):
+    refuse one defined inside another function, naming it, before any process starts."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname:
+        raise TypeError(
+            f"the worker function {qualname!r} is defined inside another function: worker processes import it "
+            f"by name, so define it at the top level of a module (here {getattr(fn, '__module__', '?')!r})"
+        )
 
 
 def _check_scheme_has(scheme: Any, worker_ids: list[int]) -> None:

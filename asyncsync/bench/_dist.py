@@ -176,7 +176,7 @@ def run_dist_rows(params: Sequence[str], hosts: int, workers: Sequence[int], rep
     for spec in params:
         for w in workers:
             if progress is not None:
-                progress(f"dist-gloo {spec}: {hosts} hosts x {w} workers ...")
+                progress(f"dist-gloo {spec}: {hosts} host{'' if hosts == 1 else 's'} x {w} worker{'' if w == 1 else 's'} ...")
             row = asyncio.run(_row(spec, hosts, w, repeats))
             if progress is not None:
                 progress(
