@@ -262,10 +262,8 @@ class Mailbox:
         seq = w[_SEQ]
         if seq == self.seen:
             return None  # the empty poll: no barrier, no system call
-        for _ in range(64):  # written over while claimed: claim the newer one
-            got = _load(w, _SEQ, seq)
-            if got is None:
-                return None  # still being written: the next poll sees it
+        got = _load(w, _SEQ, seq)
+        while got is not None:  # (None: being written; the next poll sees it)
             seq, (version, slot, count, base) = got
             w[_CLAIM] = seq  # (after the load's fences: after the last ack's stores too)
             self._full_fence()  # the claim before the re-read
@@ -274,7 +272,7 @@ class Mailbox:
                 self._peeked = (seq, count)
                 taken = self._taken
                 return seq, version, slot, count - (base if base > taken else taken) - 1
-            seq = again
+            got = _load(w, _SEQ, again)  # written over meanwhile (one send each): claim the newer one
         return None
 
     def take(self, seq: int) -> None:
