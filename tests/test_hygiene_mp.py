@@ -205,3 +205,38 @@ def test_the_leak_check_reports_the_entries_a_leftover_child_process_holds() -> 
         for name in made:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
+
+
+LEAVING_RELAY = """
+import asyncio, torch
+from torch import nn
+from asyncsync import HostLostError
+from asyncsync.testing import open_loopback_hosts
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)
+
+async def main():
+    async with open_loopback_hosts(make_model(), make_model, hosts={1: 1, 2: 1}, timeout=30) as lh:
+        await lh.trainer.send()
+        await lh.hosts[1].aclose()  # host 1's relay leaves
+        await lh.trainer.sender.wait_lost(1, timeout=30)
+        try:
+            await lh.trainer.send()
+        except HostLostError:
+            pass
+        await lh.trainer.send(worker_ids=[(2, 0)])
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_multi_host_round_trip_with_a_relay_leaving_prints_only_asyncsyncs_own_log_lines() -> None:
+    """Every group, store and connection asyncsync ends on purpose ends without torch's
+    C++ side printing about it (a backtrace, a c10d or gloo error line), also after the
+    program returned: only the asyncsync logger's own lines reach stderr."""
+    done = subprocess.run([sys.executable, "-c", LEAVING_RELAY], capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stderr.splitlines() if line and not line.startswith("asyncsync: ")] == [], done.stderr
