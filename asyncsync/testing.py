@@ -720,7 +720,7 @@ def no_leaks(*, descriptors: bool = True, processes: bool = True, threads: bool 
         for t in left:
             t.join(max(0.0, deadline - time.monotonic()))
         if not left:
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))  # a descriptor that closes at its own timeout: nothing to join
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))  # a descriptor: nothing to join
     problems = [f"child process {pid} ({cmd}) still running" for pid, cmd in sorted(children.items())]
     problems += [f"file descriptor {fd} ({target}) left open" for fd, target in sorted(fds.items())]
     problems += [f"/dev/shm/{name} left" for name in shm]
