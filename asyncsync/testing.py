@@ -670,7 +670,8 @@ def no_leaks(*, descriptors: bool = True, processes: bool = True, threads: bool 
     ``/dev/shm`` entries: every name made there in the block and still there at its end
     (after a garbage collection) that this process tree made: one that this process or a
     running descendant maps or holds open, or one named after such a process (torch's
-    ``torch_<pid>_...``). ``/dev/shm`` is the machine's: entries other programs make or
+    ``torch_<pid>_...``); with *descriptors* False, not those of this process itself (a
+    fixture that outlives the block may hold them, as it may hold descriptors). ``/dev/shm`` is the machine's: entries other programs make or
     remove meanwhile are never counted, and neither is an entry nothing holds any more
     (it cannot be told from another program's). asyncsync's own segments are not there
     at all (they are memfds: a descriptor or a mapping while in use).
@@ -705,7 +706,7 @@ def no_leaks(*, descriptors: bool = True, processes: bool = True, threads: bool 
             _kill(set(_descendants()) - children0)
         raise
     children = {pid: cmd for pid, cmd in _descendants().items() if pid not in children0} if processes else {}
-    shm = _shm_left(shm0)  # before the kill: what a leftover process holds counts too
+    shm = _shm_left(shm0, own=descriptors)  # before the kill: what a leftover process holds counts too
     _kill(set(children))
     deadline = time.monotonic() + settle
     while True:
@@ -843,14 +844,15 @@ def _shm_names() -> set[str]:
     return set(_shm_entries())
 
 
-def _shm_left(before: Collection[str]) -> list[str]:
+def _shm_left(before: Collection[str], *, own: bool = True) -> list[str]:
     """The ``/dev/shm`` entries made since *before* (the names there then) that this
     process tree made: one it maps or holds open, or one named after one of its processes
-    (torch's ``torch_<pid>_...``). Another program's entries, and those it removed, never count."""
+    (torch's ``torch_<pid>_...``); with *own* False, those of this process itself do not
+    count. Another program's entries, and those it removed, never count."""
     new = {name: inode for name, inode in _shm_entries().items() if name not in before}
     if not new:
         return []
-    tree = _tree()
+    tree = _tree() - ({os.getpid()} if not own else set())
     held: set[int] = set()
     for pid in tree:
         held |= _shm_inodes(pid)
