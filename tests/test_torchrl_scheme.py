@@ -141,3 +141,39 @@ def test_repointed_model_gets_every_later_version_and_worker_shutdown_affects_on
         scheme.send()
     assert scheme.send(worker_ids=[1]) == 2  # the refused send took no version
     assert workers[1].ask("state")[3:] == (2.0, 2.0)
+
+
+def test_policy_the_worker_calls_gets_each_version_after_its_tensors_are_replaced(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("wrap") == "wrapped"  # it calls the received module itself
+    set_version(policy, 1)
+    scheme.send()
+    assert w.ask("state")[3:] == (1.0, 1.0)
+    for step, cmd in enumerate(["swap_inner", "assign"], start=2):  # then a copy; then new tensors in it
+        w.ask(cmd)
+        set_version(policy, step)
+        assert scheme.send() == step
+        assert w.ask("state")[3:] == (float(step), float(step)), cmd
+
+
+def test_worker_whose_policy_cannot_hold_the_weights_leaves_instead_of_acking_them(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("repoint") == "repointed"
+    assert w.ask("reshape") == "reshaped"
+    set_version(policy, 1)
+    with pytest.raises(WorkerLeftError, match=r"worker 0 .*ps\.0\[3\], which cannot hold the weights it receives ps\.0\[8\]"):
+        scheme.send()
+
+
+def test_repointing_the_policy_inside_a_hold_is_refused_and_commits_go_on(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("repoint_held") == "RuntimeError"
+    set_version(policy, 1)
+    assert scheme.send() == 1
+    assert w.ask("state")[3:] == (1.0, 1.0)
