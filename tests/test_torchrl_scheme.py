@@ -84,6 +84,14 @@ def test_import_asyncsync_does_not_import_torchrl() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_import_without_torchrl_names_a_pinned_install_that_works() -> None:
+    code = "import sys; sys.modules['torchrl'] = None; import asyncsync.torchrl"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "pip install torch==2.13.0 torchrl==0.14.1 tensordict==0.14.3" in done.stderr
+    assert "tensordict<0.15" in done.stderr
+
+
 def test_pickled_scheme_is_small_and_holds_no_tensor() -> None:
     scheme = AsyncSyncScheme()
     state = scheme.__getstate__()
