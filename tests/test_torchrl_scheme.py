@@ -57,10 +57,14 @@ class Worker:
             self.conn.close()
 
 
-def start(n: int, **options: Any) -> tuple[AsyncSyncScheme, torch.nn.Module, list[Worker]]:
+def start(n: int, params_map: dict[int, Any] | None = None, **options: Any) -> tuple[AsyncSyncScheme, torch.nn.Module, list[Worker]]:
+    """A connected scheme sending *policy* (or each worker its *params_map* entry) to *n* held workers."""
     policy = VersionNet(n=4)
     scheme = AsyncSyncScheme(timeout=REPLY_S, **options)
-    scheme.init_on_sender(model_id="policy", model=policy, num_workers=n, ctx=CTX)
+    if params_map is None:
+        scheme.init_on_sender(model_id="policy", model=policy, num_workers=n, ctx=CTX)
+    else:
+        scheme.init_on_sender(model_id="policy", params_map=params_map, ctx=CTX)
     workers = [Worker(scheme, i) for i in range(n)]
     scheme.connect()  # returns before the workers have applied version 0
     for w in workers:
@@ -185,3 +189,21 @@ def test_repointing_the_policy_inside_a_hold_is_refused_and_commits_go_on(cleanu
     set_version(policy, 1)
     assert scheme.send() == 1
     assert w.ask("state")[3:] == (1.0, 1.0)
+
+
+def test_per_worker_params_map_gives_each_worker_its_entry_until_a_per_worker_send_replaces_one(cleanup: list[Any]) -> None:
+    from tensordict import TensorDict
+
+    own = [VersionNet(n=4), VersionNet(n=4)]
+    for i, net in enumerate(own):
+        set_version(net, 10 + i)
+    entries = {i: TensorDict.from_module(net) for i, net in enumerate(own)}
+    scheme, _, workers = start(2, params_map=entries, per_worker_weights=True)
+    cleanup += [scheme, *workers]
+    assert [w.ask("state")[3:] for w in workers] == [(10.0, 10.0), (11.0, 11.0)]
+    set_version(own[0], 7)
+    assert scheme.send({1: entries[0]}) == 1  # worker 1 only: worker 0's own entry is left as it is
+    assert [w.ask("state")[3:] for w in workers] == [(10.0, 10.0), (7.0, 7.0)]
+    set_version(own[1], 12)
+    assert scheme.send() == 2  # each worker its own entry again, read now
+    assert [w.ask("state")[3:] for w in workers] == [(7.0, 7.0), (12.0, 12.0)]
