@@ -207,3 +207,13 @@ def test_per_worker_params_map_gives_each_worker_its_entry_until_a_per_worker_se
     set_version(own[1], 12)
     assert scheme.send() == 2  # each worker its own entry again, read now
     assert [w.ask("state")[3:] for w in workers] == [(7.0, 7.0), (12.0, 12.0)]
+
+
+def test_bound_policy_whose_tensors_are_replaced_gets_each_version(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("assign") == "assigned"  # the module the receiver was given, re-parameterised
+    set_version(policy, 1)
+    assert scheme.send() == 1
+    assert w.ask("state")[3:] == (1.0, 1.0)
