@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from asyncsync.bench._worker import worker_report
 from asyncsync.bench._workload import make_model
 
 __all__ = ["POLL_TRANSPORTS", "PUBLISH_KEYS", "POLLS_PER_YIELD", "cpu_plan", "pinned", "poll_worker", "publish_to_commit", "recording_publishes"]
@@ -41,12 +42,10 @@ POLLS_PER_YIELD = 256
 async def poll_worker(
     worker_idx: int, scheme: Any, n_params: int, n_tensors: int, probe: bool = False, tick: bool = False, cpus: list[int] | None = None
 ) -> dict[str, Any]:
-    """Poll until stopped; report what :func:`asyncsync.bench._run.bench_worker` reports,
+    """Poll until stopped; report what :func:`asyncsync.bench._worker.bench_worker` reports,
     plus ``polled``: ``(version, perf_counter before the poll that committed it, when the
     commit was complete (its ack about to be written), after that poll)``. With *cpus*
     (:func:`cpu_plan`), the worker runs on ``cpus[1 + worker_idx]`` only."""
-    from asyncsync.bench._run import worker_report
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
     if cpus is not None:
         os.sched_setaffinity(0, {cpus[1 + worker_idx]})

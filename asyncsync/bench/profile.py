@@ -94,7 +94,7 @@ async def _run(params: str, workers: int, sends: int, profile: bool, flat: bool 
 async def _run_spawned(params: str, workers: int, sends: int, profile: bool, flat: bool = False) -> tuple[float, pstats.Stats | None]:
     """:func:`_run` with the bench's worker processes as receivers: the trainer alone is measured."""
     from asyncsync import MultiProcessWeightSyncScheme, flatten_parameters, spawn_workers
-    from asyncsync.bench._run import bench_worker
+    from asyncsync.bench._worker import bench_worker
     from asyncsync.bench._workload import make_model, parse_params, perturb_
 
     n_params, n_tensors = parse_params(params)
