@@ -36,7 +36,7 @@ from asyncsync.bench._poll import (
     pinned,
     poll_worker,
     publish_to_commit,
-    recording_publishes,
+    send_stamped,
 )
 from asyncsync.bench._procmem import dev_shm_mb, memfd_mb, peak_rss_mb, reset_peak_rss, rss_mb
 from asyncsync.bench._worker import TICK_S, bench_worker, param_sums
@@ -200,10 +200,10 @@ async def run_asyncsync(
     reset_peak_rss()
     out: dict[str, Any] = {"latencies_ms": [], "t0": [], "t1": [], "versions": []}
     trainer_cpu_s = 0.0
-    recording = contextlib.ExitStack()  # shm-poll: stamps each publication, until aclose
-    published = recording.enter_context(recording_publishes()) if polled else {}
+    published: dict[int, float] = {}  # shm-poll: version -> when send_async returned
     cpus = cpu_plan(workers) if polled else None  # shm-poll: a CPU each, where there are enough
-    recording.enter_context(pinned(cpus))
+    pinning = contextlib.ExitStack()
+    pinning.enter_context(pinned(cpus))
     out["pinned_cpus"] = cpus
     async with spawn_workers(
         poll_worker if polled else bench_worker,
@@ -230,7 +230,7 @@ async def run_asyncsync(
                     cpu_before = _cpu.sample(pids)
                 c0 = time.process_time()
                 t0 = time.perf_counter_ns()
-                version = await scheme.send()
+                version = await (send_stamped(scheme, published) if polled else scheme.send())
                 t1 = time.perf_counter_ns()
                 c1 = time.process_time()
                 if step >= warmup:
@@ -251,7 +251,7 @@ async def run_asyncsync(
             out["last_copy_ms"] = stats.last_copy_ms
             out["worker_commit_ms"] = [w.commit_ms for w in stats.workers]
         finally:
-            recording.close()
+            pinning.close()
             await scheme.aclose()
         results = await group.join(timeout=JOIN_TIMEOUT_S)
     expected = param_sums(model)
