@@ -116,25 +116,3 @@ def test_markdown_without_measurements() -> None:
     }
     line = markdown([row]).splitlines()[2]
     assert "| 600x | - | - | - | - (1.250) |" in line
-
-
-def test_profile_splits_a_send_by_owner() -> None:
-    from asyncsync.bench.profile import profile_sends
-
-    r = profile_sends("1k/4", workers=2, sends=20, top=5)
-    assert _positive(r["cpu_us_per_send"]) and _positive(r["profiled_cpu_us_per_send"])
-    assert {"sender", "receiver", "channel"} <= set(r["shares"])
-    assert math.isclose(sum(r["shares"].values()), 1.0)
-    assert "function calls" in r["top"]  # which functions come first depends on the machine
-    with pytest.raises(ValueError):
-        profile_sends("1k", workers=0)
-
-
-def test_profile_of_the_trainer_alone_with_worker_processes() -> None:
-    from asyncsync.bench.profile import profile_sends
-
-    r = profile_sends("1k/4", workers=1, sends=10, top=5, flat=True, spawned=True)
-    assert r["spawned"] and _positive(r["cpu_us_per_send"]) and _positive(r["profiled_cpu_us_per_send"])
-    assert "receiver" not in r["shares"]  # the receivers ran in their own processes
-    assert math.isclose(sum(r["shares"].values()), 1.0)
-    assert "function calls" in r["top"]
