@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -465,9 +466,10 @@ def test_the_bench_measures_publish_to_commit_for_polled_workers() -> None:
 
     (row,) = run_rows(["shm-poll"], ["10k"], [1], 5, echo=False, floors=False, memory=False)
     assert row["transport"] == "shm-poll" and row["repeats"] == 5
-    # every timed version was committed by a poll, after it was published (causal orders only)
+    # timed versions were committed by polls (NaN: none), each poll ending after it began;
+    # the trainer's stamp comes after send_async returned, so a poll may begin before it
+    assert math.isfinite(row["publish_to_commit_us"]) and row["commit_poll_us"] > 0
     assert row["publish_to_poll_us"] <= row["publish_to_commit_us"] <= row["publish_to_commit_p90_us"]
-    assert row["publish_to_commit_us"] > 0 and row["commit_poll_us"] > 0
 
 
 def _attached_poller(address: str, until: int, report: Any) -> None:

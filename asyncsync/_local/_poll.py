@@ -84,11 +84,6 @@ _SEQ = 0  # the sender's line: sequence, version, slot, count, base
 _ACK = 8  # the worker's line: sequence, version, holds, stage ns, commit ns
 _CLAIM = 15  # the worker's line, last word: the sequence of the version it last claimed
 
-#: Called with the version just before the sequence that publishes it is stored (the
-#: bench's publish-to-commit clock); None outside the bench.
-on_publish: Callable[[int], None] | None = None
-
-
 def _make_fence() -> Callable[[], None]:
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         return lambda: None  # TSO: see the module docstring
@@ -129,9 +124,8 @@ def _make_full_fence() -> Callable[[], None]:
     return locked
 
 
-def _store(w: memoryview, base: int, fields: tuple[int, ...], stamp: Callable[[int], None] | None = None) -> int:
-    """Seqlock writer: the line at *base* gets *fields* after its sequence (*stamp* is
-    called with the first field just before the even store); returns the new sequence."""
+def _store(w: memoryview, base: int, fields: tuple[int, ...]) -> int:
+    """Seqlock writer: the line at *base* gets *fields* after its sequence; returns the new sequence."""
     seq = w[base] + 1
     w[base] = seq  # odd: being written
     fence()
@@ -140,8 +134,6 @@ def _store(w: memoryview, base: int, fields: tuple[int, ...], stamp: Callable[[i
         i += 1
         w[i] = value
     fence()
-    if stamp is not None:
-        stamp(fields[0])
     w[base] = seq + 1  # even, and last
     return seq + 1
 
@@ -238,7 +230,7 @@ class Mailbox:
         w = self._words
         if w is None:
             return 0  # closed: the connection is gone
-        return _store(w, _SEQ, (version, slot, count, base), on_publish)
+        return _store(w, _SEQ, (version, slot, count, base))
 
     def claimed(self) -> int:
         """Sender, after :meth:`publish`: the sequence of the last version the worker claimed

@@ -30,7 +30,8 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from asyncsync import DistributedWeightSyncScheme, spawn_workers
 from asyncsync.bench import _cpu
-from asyncsync.bench._run import WARMUP_SENDS, bench_worker
+from asyncsync.bench._run import WARMUP_SENDS
+from asyncsync.bench._worker import bench_worker
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = ["dist_markdown", "run_dist_rows"]
