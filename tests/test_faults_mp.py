@@ -49,10 +49,13 @@ async def test_worker_killed_while_sender_waits_for_acks() -> None:
         assert stats.worker(1).state == "dead" and stats.worker(1).exitcode == -9
         # the living worker is unaffected: commit its staged update
         assert (await c.probes[0].ask("commit"))[1] == 1
-        # with on_worker_error="raise" a send that targets the dead worker fails at once
-        with pytest.raises(WorkerDiedError):
-            await scheme.send()
-        assert scheme.version == 1  # nothing was sent
+        # a send that targets the dead worker still reaches the living one, then names the dead one
+        send = asyncio.ensure_future(scheme.send())
+        assert (await c.probes[0].ask("wait_version", 2)) == 1  # staged
+        assert (await c.probes[0].ask("commit"))[1] == 2
+        with pytest.raises(WorkerDiedError) as again:
+            await send
+        assert again.value.worker_idx == 1 and again.value.applied_by == (0,)
     finally:
         await c.kill_close()
 
