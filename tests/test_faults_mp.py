@@ -103,6 +103,23 @@ async def test_skip_mode_rejoin_gets_latest_weights(asyncsync_workers: Callable[
     assert results == {0: v2, 1: v2}
 
 
+async def test_concurrent_restarts_of_a_worker_give_it_one_replacement() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=model, num_workers=2)
+    async with spawn_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as group:
+        async with scheme:
+            killed = group.processes[1].pid
+            group.kill(1)
+            # Two tasks that each saw it die: the second waits for the first and returns with it.
+            await asyncio.gather(group.restart(1, timeout=30), group.restart(1, timeout=30))
+            assert group.processes[1].pid != killed and group.processes[1].is_alive()
+            stats = scheme.statistics().worker(1)
+            assert (stats.state, stats.generation) == ("connected", 2)  # one new connection, not two
+            v = await scheme.send()
+        assert await group.join(timeout=30) == {0: v, 1: v}
+
+
 async def test_restart_bounds_the_replacements_connect_by_its_timeout_and_checks_its_index(
     asyncsync_workers: Callable[..., ProcessWorkers], tmp_path: Path
 ) -> None:
