@@ -203,12 +203,6 @@ class SenderCore(Generic[W, R]):
             await self._wait(version, targets, None, deadline, f"send of version {version}", reported_timeout=deadline.timeout)
         return version
 
-    def _before_send(self, targets: Sequence[W]) -> None:
-        """Refuse a send before anything is copied: not running, or a target gone (``"raise"``)."""
-        self._check_running()
-        if self.on_worker_error == "raise":
-            self._acks.refuse_gone(targets)
-
     async def _send_turn(self, deadline: Deadline) -> None:
         """One send at a time: take the send lock before *deadline* (release it in a
         ``finally``); on the hot path (nobody else sending) no wait, no timer."""

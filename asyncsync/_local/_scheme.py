@@ -527,7 +527,10 @@ class MultiProcessWeightSyncScheme:
         *weights* may be an ``nn.Module``, a TensorDict or a state dict; *worker_ids* an
         int or a list (None: every worker). With *partial*, *weights* may hold a subset
         of the keys (``td.select(...)``); the rest keep their values on each worker.
-        Returns the version number of this send.
+        Returns the version number of this send. A target that is gone (died, left) keeps
+        no other target from the version: with ``sync``, the wait raises its
+        :class:`WorkerDiedError` (or :class:`WorkerLeftError`) once every other target
+        answered, its ``applied_by`` naming those that applied it.
         """
         return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 
