@@ -40,7 +40,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 @pytest.fixture
 def asyncsync_no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail the test (an error at teardown) if it leaves a child process or a file descriptor open.
+    """Fail the test (an error at teardown) if it leaves a child process, a file descriptor or a /dev/shm entry.
 
     See :func:`asyncsync.testing.no_leaks`. ``asyncsync_workers`` and ``asyncsync_loopback``
     use it; add it to other tests with ``@pytest.mark.usefixtures("asyncsync_no_leaks")``.

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "AsyncSyncError",
@@ -119,6 +120,12 @@ class WorkerDiedError(BrokenChannelError):
     (negative: killed by that signal), ``pid`` its process id when known. ``reason`` is
     set when the sender cut the channel itself (the worker sent a malformed message).
 
+    ``applied_by``: raised by ``send``, ``wait_async`` or ``connect``, the targets of that
+    call that applied its version (a tuple of worker ids, in target order; the message
+    names them too). A worker that is gone never keeps the others from a version: the
+    call raises once every other target answered (or at its timeout, naming the silent
+    ones). None when it comes from elsewhere (``wait_joined``, a restart).
+
     Example::
 
         import multiprocessing as mp
@@ -139,6 +146,8 @@ class WorkerDiedError(BrokenChannelError):
         process.join()
     """
 
+    applied_by: tuple[Any, ...] | None = None
+
     def __init__(self, worker_idx: int, exitcode: int | None = None, pid: int | None = None, reason: str | None = None) -> None:
         self.worker_idx = worker_idx
         self.exitcode = exitcode
@@ -148,8 +157,12 @@ class WorkerDiedError(BrokenChannelError):
         who = f"worker {worker_idx}" + (f" (pid {pid})" if pid else "")
         super().__init__(f"{who} died, exit code {code}" if reason is None else f"{who} was cut off: {reason}")
 
+    def _sent_state(self) -> dict[str, Any]:
+        """What a pickled copy keeps beyond the arguments: ``applied_by``, and the message naming them."""
+        return {"applied_by": self.applied_by, "args": self.args}
+
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (type(self), (self.worker_idx, self.exitcode, self.pid, self.reason))
+        return (type(self), (self.worker_idx, self.exitcode, self.pid, self.reason), self._sent_state())
 
 
 class WorkerLeftError(WorkerDiedError):
@@ -179,7 +192,7 @@ class WorkerLeftError(WorkerDiedError):
         self.args = (f"{who} left at version {version}: {reason}",)
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (type(self), (self.worker_idx, self.reason, self.version, self.pid))
+        return (type(self), (self.worker_idx, self.reason, self.version, self.pid), self._sent_state())
 
 
 class HostLostError(WorkerDiedError):
@@ -207,7 +220,7 @@ class HostLostError(WorkerDiedError):
         self.args = (f"host {host} ({relay}) is lost, and with it worker {worker_idx}: {reason}",)
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (type(self), (self.host, self.worker_idx, self.reason, self.pid))
+        return (type(self), (self.host, self.worker_idx, self.reason, self.pid), self._sent_state())
 
 
 class AuthenticationError(BrokenChannelError):

@@ -31,7 +31,9 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from multiprocessing import forkserver, resource_sharer, resource_tracker
 from types import TracebackType
@@ -622,7 +624,8 @@ def open_workers(
 
 
 class LeakError(AssertionError):
-    """Child processes or file descriptors outlived the block that created them.
+    """Something outlived the block that created it (see :func:`no_leaks`); ``problems``
+    lists each, one sentence apiece.
 
     Example::
 
@@ -634,20 +637,27 @@ class LeakError(AssertionError):
             with no_leaks():
                 r, w = os.pipe()          # never closed
         except LeakError as exc:
-            print(exc)                    # names both descriptors
+            print(exc.problems)           # names both descriptors
             os.close(r)
             os.close(w)
     """
 
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("asyncsync leak check: " + "; ".join(problems))
+        self.problems = problems
+
 
 @contextmanager
-def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
-    """Fail (:class:`LeakError`) if the block leaves a child process or a file descriptor.
+def no_leaks(*, descriptors: bool = True, processes: bool = True, threads: bool = False, settle: float = 0.0) -> Iterator[None]:
+    """Fail (:class:`LeakError`) if the block leaves a child process, a file descriptor, a
+    ``/dev/shm`` entry or (with *threads*) a thread behind.
 
-    Child processes: every descendant of this process started in the block and still
-    running at its end (zombies, multiprocessing's resource tracker and forkserver, which
-    live as long as the interpreter, are not counted; workers forked by the forkserver
-    are); they are killed before the error is raised, so later tests start clean.
+    Child processes (unless *processes* is False): every descendant of this process started
+    in the block and still running at its end (zombies, multiprocessing's resource tracker
+    and forkserver, which live as long as the interpreter, are not counted; workers forked
+    by the forkserver are); they are killed before the error is raised, so later tests
+    start clean. Turn it off where something else keeps a pool of child processes (Ray's
+    raylet).
     Descriptors (unless *descriptors* is False): every entry of ``/proc/self/fd`` opened in
     the block and still open after a garbage collection (unclosed schemes, sockets, pipes,
     shared-memory segments, files; not multiprocessing's resource sharer, the
@@ -656,8 +666,21 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
     snapshot: all kept for the interpreter's life). A scheme that
     outlives the block (a module-scoped fixture) may rightly open descriptors in it: a
     slot added under load, a replacement worker's channel; check descriptors where the
-    block owns its schemes. Read from ``/proc``: Linux only, as asyncsync is. If the
-    block raises, leftover processes are killed and its exception goes on.
+    block owns its schemes.
+    ``/dev/shm`` entries: every name made there in the block and still there at its end
+    (after a garbage collection) that this process tree made: one that this process or a
+    running descendant maps or holds open, or one named after such a process (torch's
+    ``torch_<pid>_...``); with *descriptors* False, not those of this process itself (a
+    fixture that outlives the block may hold them, as it may hold descriptors). ``/dev/shm`` is the machine's: entries other programs make or
+    remove meanwhile are never counted, and neither is an entry nothing holds any more
+    (it cannot be told from another program's). asyncsync's own segments are not there
+    at all (they are memfds: a descriptor or a mapping while in use).
+    Threads (with *threads*): every thread started in the block and still running at its
+    end (asyncio and anyio keep idle worker threads on purpose: off by default).
+    *settle*: seconds that leftover threads and descriptors may take to end on their own
+    (what ends only at a timeout of its own); checked again until then.
+    Read from ``/proc``: Linux only, as asyncsync is. If the block raises, leftover
+    processes are killed and its exception goes on.
 
     Example::
 
@@ -665,30 +688,46 @@ def no_leaks(*, descriptors: bool = True) -> Iterator[None]:
 
         scheme = MultiProcessWeightSyncScheme(timeout=10)
         scheme.init_on_sender(model=make_policy(), num_workers=1)
-        with no_leaks():   # raises LeakError on exit if a child process or a descriptor is left
+        with no_leaks():   # raises LeakError on exit if something was left
             async with open_loopback(scheme, make_policy):
                 await scheme.send()
     """
     resource_tracker.ensure_running()  # started once per interpreter, and kept: not a leak
     _open_store_pipe()  # likewise
     _open_uvloops_pipe()  # likewise
-    children0 = set(_descendants())
+    children0 = set(_descendants()) if processes else set()
     fds0 = _fds()
+    shm0 = _shm_names()
+    threads0 = set(threading.enumerate())
     try:
         yield
     except BaseException:
-        _kill(set(_descendants()) - children0)
+        if processes:
+            _kill(set(_descendants()) - children0)
         raise
-    children = {pid: cmd for pid, cmd in _descendants().items() if pid not in children0}
+    children = {pid: cmd for pid, cmd in _descendants().items() if pid not in children0} if processes else {}
+    shm = _shm_left(shm0, own=descriptors)  # before the kill: what a leftover process holds counts too
     _kill(set(children))
-    fds = _new_fds(fds0) if descriptors else {}
-    if fds:
-        gc.collect()  # unreachable channels close their descriptors when collected (slow: only then)
-        fds = _new_fds(fds0)
+    deadline = time.monotonic() + settle
+    while True:
+        fds = _new_fds(fds0) if descriptors else {}
+        left = [t for t in threading.enumerate() if t not in threads0 and t.is_alive()] if threads else []
+        if fds or shm:
+            gc.collect()  # unreachable channels close their descriptors when collected (slow: only then)
+            fds = _new_fds(fds0) if descriptors else {}
+            shm = [name for name in shm if os.path.exists(f"{_SHM}/{name}")]
+        if not (fds or left) or time.monotonic() >= deadline:
+            break
+        for t in left:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if not left:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))  # a descriptor: nothing to join
     problems = [f"child process {pid} ({cmd}) still running" for pid, cmd in sorted(children.items())]
     problems += [f"file descriptor {fd} ({target}) left open" for fd, target in sorted(fds.items())]
+    problems += [f"/dev/shm/{name} left" for name in shm]
+    problems += [f"thread {t.name!r} still running" for t in left]
     if problems:
-        raise LeakError("asyncsync leak check: " + "; ".join(problems))
+        raise LeakError(problems)
 
 
 @functools.cache  # once per process
@@ -740,8 +779,8 @@ def _fds() -> dict[int, str]:
     return out
 
 
-def _descendants() -> dict[int, str]:
-    """{pid: command line} of the running (not zombie) descendants of this process."""
+def _children() -> dict[int, list[int]]:
+    """{pid: its running (not zombie) children} of every process, from ``/proc``."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -753,6 +792,12 @@ def _descendants() -> dict[int, str]:
             continue  # gone meanwhile
         if fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(name))
+    return children
+
+
+def _descendants() -> dict[int, str]:
+    """{pid: command line} of the running (not zombie) descendants of this process."""
+    children = _children()
     out = {}
     todo = [(pid, "") for pid in children.get(os.getpid(), [])]
     while todo:
@@ -769,6 +814,73 @@ def _descendants() -> dict[int, str]:
             continue  # the forkserver itself (kept too); the workers forked from it count
         out[pid] = cmd[:200]
     return out
+
+
+def _tree() -> set[int]:
+    """This process and all its running descendants (helpers included)."""
+    children = _children()
+    out: set[int] = set()
+    todo = [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+_SHM = "/dev/shm"
+
+
+def _shm_entries() -> dict[str, int]:
+    """{name: inode} of the entries of ``/dev/shm`` (none where there is none)."""
+    try:
+        with os.scandir(_SHM) as entries:
+            return {e.name: e.inode() for e in entries}
+    except OSError:
+        return {}
+
+
+def _shm_names() -> set[str]:
+    return set(_shm_entries())
+
+
+def _shm_left(before: Collection[str], *, own: bool = True) -> list[str]:
+    """The ``/dev/shm`` entries made since *before* (the names there then) that this
+    process tree made: one it maps or holds open, or one named after one of its processes
+    (torch's ``torch_<pid>_...``); with *own* False, those of this process itself do not
+    count. Another program's entries, and those it removed, never count."""
+    new = {name: inode for name, inode in _shm_entries().items() if name not in before}
+    if not new:
+        return []
+    tree = _tree() - ({os.getpid()} if not own else set())
+    held: set[int] = set()
+    for pid in tree:
+        held |= _shm_inodes(pid)
+    return sorted(name for name, inode in new.items() if inode in held or _named_pid(name) in tree)
+
+
+def _shm_inodes(pid: int) -> set[int]:
+    """Inodes of the ``/dev/shm`` entries process *pid* maps or holds open."""
+    out: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)  # address perms offset dev inode path
+                if len(fields) == 6 and fields[5].startswith(_SHM + "/"):
+                    out.add(int(fields[4]))
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(_SHM + "/"):
+                    out.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    except OSError:
+        pass  # gone meanwhile
+    return out
+
+
+def _named_pid(name: str) -> int | None:
+    """The creator's pid in torch's ``torch_<pid>_...`` names (its file_system sharing strategy)."""
+    parts = name.split("_")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "torch" and parts[1].isdigit() else None
 
 
 def _kill(pids: Iterable[int]) -> None:

@@ -43,7 +43,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -52,8 +53,13 @@ from torch import nn
 try:
     from torchrl.weight_update import WeightSyncScheme
 except ImportError as exc:  # pragma: no cover - exercised where torchrl is absent
-    raise ImportError("asyncsync.torchrl needs torchrl (pip install torchrl); the rest of asyncsync does not") from exc
+    raise ImportError(
+        "asyncsync.torchrl needs torchrl; the rest of asyncsync does not. Install the version it is tested with: "
+        "pip install torch==2.13.0 torchrl==0.14.1 tensordict==0.14.3 (torchrl 0.14.1 requires tensordict<0.15: "
+        "pip replaces a newer tensordict with 0.14.3)"
+    ) from exc
 
+from ._core._strategy import resolve_model, to_flat
 from ._errors import SyncTimeoutError
 from ._io._loop_thread import SHUTDOWN_TIMEOUT_S, LoopThread
 from ._local._scheme import MultiProcessWeightSyncScheme
@@ -85,6 +91,10 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             :class:`~asyncsync.WorkerDiedError` naming it) or ``"skip"``.
         transfer_dtype: send floating-point tensors in this dtype (e.g. ``torch.bfloat16``).
         check_finite: reject weights holding NaN or inf before sending.
+        per_worker_weights: each worker keeps weights of its own: ``send({worker_idx:
+            weights, ...})`` (``collector.update_policy_weights_({0: w0, 1: w1})``) gives
+            each listed worker its entry, in one version. On by itself when the
+            collector's ``policy_factory`` is a list of distinct factories.
         loop_factory: makes the event loop of asyncsync's thread in each process
             (e.g. ``uvloop.new_event_loop``; it must pickle). Default: asyncio's.
 
@@ -108,6 +118,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         on_worker_error: Literal["raise", "skip"] = "raise",
         transfer_dtype: torch.dtype | None = None,
         check_finite: bool = False,
+        per_worker_weights: bool = False,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> None:
         super().__init__(strategy=strategy)
@@ -124,8 +135,10 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         )
         self.sync = sync
         self.timeout = timeout
+        self.per_worker_weights = per_worker_weights
         self.loop_factory = loop_factory
         self._worker_devices: dict[int, str] = {}
+        self._per_worker_mode = False  # read by the workers too: they stage on their policy's device
         self._runtime_init()
 
     def _runtime_init(self) -> None:
@@ -135,17 +148,17 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         self._gate: _Gate | None = None
         self._hooks: list[Any] = []
         self._hooked: nn.Module | None = None
-        self._bound: nn.Module | None = None
-        self._mirror: nn.Module | None = None
+        self._bound: nn.Module | None = None  # the module the inner receiver commits into
         self._committer: asyncio.Task[None] | None = None
         self._commit_lock: asyncio.Lock | None = None
         self._closed = False
+        self._origin: _Origin | None = None  # trainer: what send(None) and version 0 read
 
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_loop", "_connecting", "_gate", "_hooks", "_hooked", "_bound", "_mirror", "_committer", "_commit_lock", "_closed"):
+        for key in ("_loop", "_connecting", "_gate", "_hooks", "_hooked", "_bound", "_committer", "_commit_lock", "_closed", "_origin"):
             state.pop(key, None)
         return state  # type: ignore[no-any-return]
 
@@ -185,17 +198,29 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             found = _policy_devices(context, num_workers)
             if found is not None:
                 devices = found
-        self._inner.init_on_sender(
-            model_id=model_id,
-            context=context,
-            weights=weights,
-            model=model,
-            params_map=params_map,
-            devices=devices,
-            device_map_fn=device_map_fn,
-            num_workers=num_workers,
-            ctx=ctx,
-        )
+        built = None
+        if model is None and weights is None and params_map is None and resolve_model(context, model_id) is None:
+            built = _factory_policies(context, model_id)  # the collector has a policy_factory and no policy
+        self._per_worker_mode = self.per_worker_weights or (built is not None and len(built) > 1)
+        if self._per_worker_mode:
+            if device_map_fn is not None:
+                raise ValueError("per-worker weights: each worker's device comes from devices= (or the collector's policy devices), not device_map_fn")
+            origin = _Origin.per_worker(model_id, context, model, weights, params_map, built, _worker_ids(params_map, devices, num_workers))
+            self._inner.init_on_sender(model_id=model_id, params_map=origin.sources, ctx=ctx)
+        else:
+            origin = _Origin(refuse_none=built is not None)
+            self._inner.init_on_sender(
+                model_id=model_id,
+                context=context,
+                weights=weights,
+                model=built[0] if built is not None else model,  # version 0: what the workers' factory builds
+                params_map=params_map,
+                devices=devices,
+                device_map_fn=device_map_fn,
+                num_workers=num_workers,
+                ctx=ctx,
+            )
+        self._origin = origin
         if devices is not None:  # read after init_on_sender checked them (a bad one is named there)
             listed = devices.items() if isinstance(devices, dict) else enumerate(devices)
             self._worker_devices = {int(i): str(torch.device(d)) for i, d in listed}
@@ -204,6 +229,8 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         """Publish version 0 and return at once: the workers wait for it while they start."""
         if weights is not None:
             raise TypeError("AsyncSyncScheme.connect() sends the configured weights; call send(weights) after it")
+        assert self._origin is not None
+        first = self._origin.first()
         loop = self._start_loop("asyncsync-torchrl-trainer")
         processes = list(getattr(self.context, "procs", None) or [])
 
@@ -212,7 +239,8 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
                 self._inner.watch_process(idx, proc)  # a death is seen at once, not at the next read
             # Unbounded here: the workers start (import torch, build envs) before they answer, and
             # each send bounds its own wait for this; a worker that dies meanwhile is named at once.
-            task = asyncio.get_running_loop().create_task(self._inner.connect(timeout=None), name="asyncsync-torchrl-connect")
+            connect = self._inner.connect(timeout=None) if first is None else self._inner.sender.connect(timeout=None, weights=first)
+            task = asyncio.get_running_loop().create_task(connect, name="asyncsync-torchrl-connect")
             task.add_done_callback(_retrieve)
             return task
 
@@ -247,7 +275,19 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         return await asyncio.wrap_future(self._trainer_loop().submit(self._send(weights, worker_ids, timeout)))
 
     async def _send(self, weights: Any, worker_ids: Any, timeout: float | None) -> int:
+        origin = self._origin
+        assert origin is not None
+        if _per_worker(weights):
+            targets = origin.per_worker_targets(weights, worker_ids)  # refused before any wait
+            await self._connected(self.timeout if timeout is _DEFAULT else timeout)
+            async with origin.holding(weights, targets):
+                return await self._inner.send(None, targets, timeout=timeout)
+        if weights is None:
+            weights = origin.default()  # None: the inner scheme reads its configured source
         await self._connected(self.timeout if timeout is _DEFAULT else timeout)
+        if weights is None and origin.sources is not None:
+            async with origin.holding({}, []):  # params_map: no per-worker send is swapped in meanwhile
+                return await self._inner.send(None, worker_ids, timeout=timeout)
         return await self._inner.send(weights, worker_ids, timeout=timeout)
 
     def wait_async(self, version: int | None = None, worker_ids: int | Iterable[int] | None = None, *, quorum: int | None = None, timeout: float | None = _DEFAULT) -> None:
@@ -313,7 +353,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             # The receiver copies its weights out of shared memory as it closes: not mid-forward.
             async with self._commit_lock, self._gate.exclusive():
                 await self._inner.aclose()
-                self._sync_mirror()
+                self._follow()
         else:
             await self._inner.aclose()
 
@@ -354,21 +394,24 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         except BaseException:
             self.shutdown()
             raise
-        self._bound = model
-        self._hook(model)
 
     async def _receiver_connect(self, idx: int, model: nn.Module) -> None:
         self._commit_lock = asyncio.Lock()
-        self._inner.init_on_receiver(worker_idx=idx, model=model)
+        device = self._worker_devices.get(idx)
+        if device is None and self._per_worker_mode:
+            device = _device_of(model)  # per-worker weights carry the trainer's device: stage on the policy's own
+        self._inner.init_on_receiver(worker_idx=idx, model=model, device=device)
         await self._inner.connect()
         if self._inner.commit() is None:  # nothing staged: version 0 was refused
             error = self._inner.receiver.last_error or "no initial weights"
             raise ValueError(f"worker {idx}: cannot use the trainer's weights: {error}")
+        self._bound = model
+        self._hook(model)
         self._committer = asyncio.get_running_loop().create_task(self._commit_forever(), name=f"asyncsync-torchrl-commit-{idx}")
 
     async def _commit_forever(self) -> None:
         """Commit every staged version as soon as no forward pass runs."""
-        while True:
+        while not self._inner.receiver.stopped:  # (it stops when the worker left at a commit)
             try:
                 await self._inner.wait_for_version(self._inner.version + 1, timeout=None)
             except Exception as exc:  # the receiver ended (the trainer stopped it, or died)
@@ -382,12 +425,31 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             if not self._inner.update_pending:
                 return None
             async with self._gate.exclusive():
+                assert self._bound is not None and self._hooked is not None
+                try:
+                    copies = _copies(self._bound, self._hooked)
+                except ValueError as exc:  # the policy it runs can no longer take the weights: never ack them
+                    await self._leave(str(exc))
+                    return None
                 version = self._inner.commit()
-                self._sync_mirror()
+                _copy(copies)
                 bump = getattr(self.context, "increment_version", None)
                 if version is not None and callable(bump):
                     bump()  # torchrl's PolicyVersion tracking, as its own receive() cascade does
             return version
+
+    async def _leave(self, reason: str) -> None:
+        """End this worker's receiver, saying *reason* in its goodbye: the trainer's send
+        raises ``WorkerLeftError`` naming the worker and the reason."""
+        logger.error("asyncsync: worker %s leaves: %s", self._worker_idx, reason)
+        error = ValueError(reason)
+        await self._inner.__aexit__(ValueError, error, None)  # as a worker whose code raised in its block
+
+    def _follow(self) -> None:
+        """As the receiver closes: the policy the worker calls keeps the version it ran."""
+        if self._bound is not None and self._hooked is not None:
+            with contextlib.suppress(ValueError):  # it cannot hold them: the worker left at the commit that found it
+                _copy(_copies(self._bound, self._hooked))
 
     def receive(self, timeout: float | None = None) -> Any:
         """Commit the newest staged version now, if one waits; return its weights, else None.
@@ -407,7 +469,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             return None
         from tensordict import TensorDict
 
-        return TensorDict.from_module(self._bound) if self._bound is not None else None
+        return TensorDict.from_module(self._hooked) if self._hooked is not None else None
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -433,40 +495,31 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
     @model.setter
     def model(self, model: Any) -> None:
         WeightSyncScheme.model.fset(self, model)
-        if getattr(self, "_bound", None) is not None and model is not None and model is not self._hooked:
+        if getattr(self, "_loop", None) is not None and self._bound is not None and model is not None and model is not self._hooked:
             self._retarget(model)
 
     def _retarget(self, model: nn.Module) -> None:
-        """The collector points the scheme at the module it really calls (torchrl's runner does)."""
-        bound = self._bound
-        assert bound is not None and self._loop is not None
-        ours = {id(t) for t in _tensors(bound).values()}
-        theirs = _tensors(model)
-        if not ours <= {id(t) for t in theirs.values()}:
-            mine = _tensors(bound)
-            if set(theirs) != set(mine) or any(theirs[k].shape != mine[k].shape for k in mine):
-                raise ValueError(
-                    f"worker {self._worker_idx}: the new policy's tensors {sorted(theirs)[:8]} do not match "
-                    f"the weights this scheme receives {sorted(mine)[:8]}"
-                )
-            self._mirror = model  # a copy of the policy (another device): each commit is copied into it
+        """Point the worker at the policy it really calls (torchrl's runner does, after moving it).
 
-            async def sync_now() -> None:
-                assert self._gate is not None and self._commit_lock is not None
-                async with self._commit_lock, self._gate.exclusive():
-                    self._sync_mirror()
+        Later versions reach *model*: it reads the received tensors, or each commit copies
+        them into its own (a copy of the policy, on another device). Commits and forward
+        passes wait meanwhile; a policy whose tensors cannot hold the weights is refused.
+        """
+        assert self._bound is not None and self._loop is not None and self._gate is not None
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"worker {self._worker_idx}: the policy to update must be an nn.Module, got {type(model).__name__}")
+        if self._gate.held_here():
+            raise RuntimeError(f"worker {self._worker_idx}: set scheme.model outside the policy's forward pass and hold()")
+        _copies(self._bound, model)  # refused here, before anything changes
 
-            self._loop.run(sync_now(), self.timeout)
-        self._unhook()
-        self._hook(model)
+        async def swap() -> None:
+            assert self._gate is not None and self._commit_lock is not None and self._bound is not None
+            async with self._commit_lock, self._gate.exclusive():  # no forward straddles the change
+                _copy(_copies(self._bound, model))
+                self._unhook()
+                self._hook(model)
 
-    def _sync_mirror(self) -> None:
-        if self._mirror is None or self._bound is None:
-            return
-        src = _tensors(self._bound)
-        with torch.no_grad():
-            for key, t in _tensors(self._mirror).items():
-                t.copy_(src[key])
+        self._loop.run(swap(), self.timeout)
 
     def _hook(self, model: nn.Module) -> None:
         gate = self._gate
@@ -482,6 +535,154 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             handle.remove()
         self._hooks = []
         self._hooked = None
+
+
+# ---------------------------------------------------------------------- the trainer's sources
+
+
+_NO_POLICY = (
+    "send() has no weights to read: the collector builds its policies with policy_factory and holds no policy of "
+    "its own. Pass the weights: collector.update_policy_weights_(weights)"
+)
+
+
+class _Origin:
+    """Trainer: what version 0 and ``send(None)`` carry, where the inner scheme cannot say it alone.
+
+    *sources* (per-worker weights): one flat dict per worker, the inner scheme's
+    ``params_map``; a per-worker send swaps its entries in for the send and puts the
+    *initial* ones back. *default* gives what ``send(None)`` sends (None: the inner
+    scheme's own source); *refuse_none*: nothing to read (a policy_factory only).
+    *first* gives version 0 for every worker (None: each worker's source).
+    """
+
+    def __init__(
+        self,
+        *,
+        refuse_none: bool = False,
+        default: Callable[[], Any] | None = None,
+        sources: dict[int, dict[str, torch.Tensor]] | None = None,
+        first: Callable[[], Any] | None = None,
+    ) -> None:
+        self.refuse_none = refuse_none
+        self._default = default
+        self._first = first
+        self.sources = sources
+        self._initial = {i: dict(flat) for i, flat in sources.items()} if sources is not None else {}
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def per_worker(
+        cls,
+        model_id: str | None,
+        context: Any,
+        model: nn.Module | None,
+        weights: Any,
+        params_map: Mapping[int, Any] | None,
+        built: list[nn.Module] | None,
+        ids: list[int],
+    ) -> _Origin:
+        """Per-worker sources from ``init_on_sender``'s arguments (or the factories' policies)."""
+        if params_map is not None:  # each worker's entry, read at every send(None)
+            return cls(sources={i: to_flat(params_map[i]) for i in ids})
+        if built is not None and len(built) > 1:
+            if len(built) != len(ids):
+                raise ValueError(f"{len(built)} policy factories for {len(ids)} workers")
+            return cls(refuse_none=True, sources={i: to_flat(m) for i, m in zip(ids, built)})
+        if built is not None:
+            one = built[0]
+            return cls(refuse_none=True, sources={i: to_flat(one) for i in ids}, first=lambda: one)
+        read = _reader(model_id, context, model, weights)
+        now = read()
+        return cls(default=read, first=read, sources={i: to_flat(now) for i in ids})
+
+    def first(self) -> Any:
+        """Version 0 for every worker, or None (each worker's own source)."""
+        return self._first() if self._first is not None else None
+
+    def default(self) -> Any:
+        """What ``send(None)`` sends; None: the inner scheme's configured source."""
+        if self.refuse_none:
+            raise ValueError(_NO_POLICY + (" or {worker_idx: weights}." if self.sources is not None else "."))
+        return self._default() if self._default is not None else None
+
+    def per_worker_targets(self, weights: Mapping[int, Any], worker_ids: int | list[int] | None) -> list[int]:
+        """The workers a ``{worker_idx: weights}`` send updates (its keys, or *worker_ids*)."""
+        if self.sources is None:
+            raise ValueError(
+                "per-worker weights ({worker_idx: weights}) need AsyncSyncScheme(per_worker_weights=True), "
+                "or a collector whose policy_factory lists a distinct factory per worker"
+            )
+        unknown = sorted(set(weights) - set(self.sources))
+        if unknown:
+            raise ValueError(f"per-worker weights for unknown worker(s) {unknown}; this scheme's workers are {sorted(self.sources)}")
+        targets = sorted(weights) if worker_ids is None else [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        missing = [i for i in targets if i not in weights]
+        if missing:
+            raise ValueError(f"worker_ids {missing} have no entry in the per-worker weights {sorted(weights)}")
+        return targets
+
+    @contextlib.asynccontextmanager
+    async def holding(self, weights: Mapping[int, Any], targets: list[int]) -> AsyncIterator[None]:
+        """Within the block, each target's source holds its entry of *weights* (one at a time)."""
+        assert self.sources is not None
+        async with self._lock:
+            try:
+                for i in targets:
+                    self.sources[i].clear()
+                    self.sources[i].update(to_flat(weights[i]))
+                yield
+            finally:
+                for i in targets:
+                    self.sources[i].clear()
+                    self.sources[i].update(self._initial[i])
+
+
+def _reader(model_id: str | None, context: Any, model: nn.Module | None, weights: Any) -> Callable[[], Any]:
+    """What ``send(None)`` reads: *model*, *weights* or ``context.<model_id>`` (looked up each time)."""
+    if model is not None or weights is not None:
+        fixed = model if model is not None else weights
+        return lambda: fixed
+    ref = weakref.ref(context) if context is not None else None
+
+    def lookup() -> nn.Module:
+        found = resolve_model(ref() if ref is not None else None, model_id)
+        if found is None:
+            raise ValueError(f"nothing to send: pass model=, weights= or params_map=, or a context with the model at context.{model_id}")
+        return found
+
+    return lookup
+
+
+def _per_worker(weights: Any) -> bool:
+    """``{worker_idx: weights}``: a plain dict whose keys are all ints (a state dict's are names)."""
+    return isinstance(weights, dict) and bool(weights) and all(isinstance(k, int) and not isinstance(k, bool) for k in weights)
+
+
+def _worker_ids(params_map: Mapping[int, Any] | None, devices: Any, num_workers: int | None) -> list[int]:
+    if params_map is not None:
+        return list(params_map)
+    if isinstance(devices, Mapping):
+        return list(devices)
+    if devices is not None:
+        return list(range(len(devices)))
+    if num_workers is not None:
+        return list(range(num_workers))
+    raise ValueError("per-worker weights: say how many workers (num_workers=, devices= or params_map=)")
+
+
+def _factory_policies(context: Any, model_id: str | None) -> list[nn.Module] | None:
+    """The policies a collector's ``policy_factory`` builds, when it has no policy: one, or
+    one per worker where the factories differ (None: no factory)."""
+    factories = getattr(context, "policy_factory", None) if model_id == "policy" else None
+    if not isinstance(factories, (list, tuple)) or not factories or any(f is None for f in factories):
+        return None
+    chosen = factories[:1] if all(f is factories[0] for f in factories) else factories
+    built = [f() for f in chosen]
+    for f, policy in zip(chosen, built):
+        if not isinstance(policy, nn.Module):
+            raise TypeError(f"policy_factory {f!r} built a {type(policy).__name__}, not an nn.Module: it has no weights to synchronise")
+    return built
 
 
 # ---------------------------------------------------------------------- the gate
@@ -564,6 +765,54 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _copies(received: nn.Module, running: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) pairs that give *running* the weights committed into *received*,
+    as the two hold them now: none where *running* reads the received tensors themselves.
+    Raises ValueError when *running*'s tensors cannot hold them."""
+    mine = _tensors(received)
+    theirs = _tensors(running)
+    held = {id(t) for t in theirs.values()}
+    if all(id(t) in held for t in mine.values()):
+        return []
+    prefix = _prefix(mine, theirs)  # a wrapper's names: "module." + the received module's
+    if prefix is None or any(theirs[prefix + k].shape != t.shape for k, t in mine.items()):
+        mine_named = {prefix + k: t for k, t in mine.items()} if prefix is not None else mine
+        raise ValueError(
+            f"the policy the worker calls has tensors {_names(theirs, mine_named)}, which cannot hold the weights it "
+            f"receives {_names(mine_named, theirs)}"
+        )
+    return [(t, theirs[prefix + k]) for k, t in mine.items() if theirs[prefix + k] is not t]
+
+
+def _prefix(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> str | None:
+    """The prefix (``""``, ``"module."``...) that names each of *mine* in *theirs*, if one does."""
+    if len(mine) != len(theirs) or not mine:
+        return None
+    first = next(iter(mine))
+    for name in theirs:
+        prefix = name[: len(name) - len(first)]
+        if name.endswith(first) and (prefix == "" or prefix.endswith(".")) and all(prefix + k in theirs for k in mine):
+            return prefix
+    return None
+
+
+def _names(these: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> str:
+    """The names (with shapes) in *these* that *others* lacks or shapes otherwise, at most 8."""
+    odd = [f"{k}{list(t.shape)}" for k, t in these.items() if k not in others or others[k].shape != t.shape]
+    return ", ".join(odd[:8]) + (f" (+{len(odd) - 8})" if len(odd) > 8 else "")
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for src, dst in pairs:
+            dst.copy_(src)
+
+
+def _device_of(model: nn.Module) -> str | None:
+    first = next(iter(_tensors(model).values()), None)
+    return str(first.device) if first is not None else None
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:

@@ -39,7 +39,7 @@ Run:
     python examples/async_rl.py                       # async, stop at a mean return of 450
     python examples/async_rl.py --sync --max-lag 0    # the synchronous baseline
     python examples/async_rl.py --out runs/s1 --seed 1 --time-limit 180
-    python examples/async_rl.py --plot-runs runs/s1 runs/s2 --plot docs/async_rl.png
+    python examples/async_rl.py --plot-runs runs/s1 runs/s2 --plot runs/async_rl.png
 
 Writes ``DIR/summary.json`` (time to the target, env steps/s, weight-sync latency p50/p99,
 dropped rollouts, final mean return, greedy evaluation, seed, settings, the learning curve)
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -306,26 +307,34 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 class Progress:
-    """A tqdm bar counting episodes, with the run's vital signs as its postfix."""
+    """The run's vital signs: a tqdm bar counting episodes (``"bar"``), a plain line every
+    few seconds on stdout for a log file or CI (``"lines"``), or nothing (``"off"``)."""
 
-    def __init__(self, enabled: bool) -> None:
+    EVERY_S = {"bar": 0.5, "lines": 5.0}
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
         self.bar = None
-        if enabled:
+        if mode == "bar":
             from tqdm import tqdm
 
             self.bar = tqdm(unit="ep", desc="episodes", dynamic_ncols=True)
         self.shown = 0
-        self.last = 0.0
+        self.started = self.last = time.perf_counter()
 
     def update(self, episodes: int, postfix: Callable[[], dict[str, Any]], force: bool = False) -> None:
-        """Redraw at most twice a second (*postfix* is only called then)."""
+        """Redraw (a bar: at most twice a second; lines: one every 5 s); *postfix* is only called then."""
         now = time.perf_counter()
-        if self.bar is None or (not force and now - self.last < 0.5):
+        if self.mode == "off" or (not force and now - self.last < self.EVERY_S[self.mode]):
             return
         self.last = now
-        self.bar.update(episodes - self.shown)
-        self.shown = episodes
-        self.bar.set_postfix(postfix(), refresh=True)
+        if self.bar is not None:
+            self.bar.update(episodes - self.shown)
+            self.shown = episodes
+            self.bar.set_postfix(postfix(), refresh=True)
+        else:
+            signs = "  ".join(f"{k} {v}" for k, v in postfix().items())
+            print(f"{now - self.started:6.1f} s  {episodes} episodes  {signs}", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -405,6 +414,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
             async with scheme:  # version 0 to every worker
                 t_train = rate_mark[0] = time.perf_counter()
                 startup_s = t_train - t0
+                n = args.workers
+                print(f"{n} worker{'' if n == 1 else 's'} run{'s' if n == 1 else ''} version 0, {startup_s:.1f} s after the start; training", flush=True)
                 progress = Progress(args.progress)
                 done = False
                 while not done:
@@ -583,11 +594,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-episodes", type=int, default=10, help="greedy vs random evaluation episodes at the end")
     p.add_argument("--out", type=Path, default=Path("runs/async_rl"), help="directory for summary.json and learning_curve.png")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG (no matplotlib needed)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is not a TTY)")
+    p.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, else a line every 5 s)")
     p.add_argument("--plot-runs", type=Path, nargs="+", default=None, metavar="DIR", help="only plot these runs' summary.json into --plot")
     p.add_argument("--plot", type=Path, default=None, help="PNG path for --plot-runs")
     args = p.parse_args(argv)
-    args.progress = not args.no_progress and sys.stderr.isatty()
+    args.progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
     if args.sync and args.max_lag != 0:
         p.error("--sync is the on-policy baseline: use it with --max-lag 0")
     if not 1 <= args.quorum <= args.workers:
@@ -605,7 +616,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"wrote {path}: {len(summaries)} runs ({runs})")
         return {}
     mode = "sync" if args.sync else "async"
-    print(f"imports done; training ({mode}) with {args.workers} worker processes...", flush=True)
+    print(f"imports done; training ({mode}) with {args.workers} worker process{'' if args.workers == 1 else 'es'}...", flush=True)
     summary = asyncio.run(train(args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -628,4 +639,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # asyncsync's start-up progress
     main()

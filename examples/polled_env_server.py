@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import time
 
 import torch
@@ -75,12 +76,14 @@ async def env_worker(worker_idx: int, scheme: MultiProcessWeightSyncScheme, n_en
 
 
 async def main(updates: int, n_envs: int, yield_every: int) -> None:
+    print("imports done; starting 1 worker process (it imports torch too: a few seconds)...", flush=True)
     trainer = make_policy()
     opt = torch.optim.Adam(trainer.parameters(), lr=1e-3)
     scheme = MultiProcessWeightSyncScheme(timeout=60)
     scheme.init_on_sender(model=trainer, num_workers=1)
     async with spawn_workers(env_worker, 1, args=(scheme, n_envs, yield_every), scheme=scheme) as workers:
         async with scheme:
+            print(f"the worker runs version 0; publishing {updates} versions", flush=True)
             for _ in range(updates):
                 loss = trainer(torch.randn(32, 8)).pow(2).mean()
                 opt.zero_grad()
@@ -88,6 +91,8 @@ async def main(updates: int, n_envs: int, yield_every: int) -> None:
                 opt.step()
                 version = await scheme.send_async()  # the worker picks it up at its next poll
                 await asyncio.sleep(0.01)
+                if version % 10 == 0:
+                    print(f"published v{version}; the worker runs v{scheme.sender.applied_versions()[0]}", flush=True)
             await scheme.wait_async(version)  # the worker polled the last one in
         results = await workers.join()
     r = results[0]
@@ -101,4 +106,5 @@ if __name__ == "__main__":
     p.add_argument("--envs", type=int, default=16)
     p.add_argument("--yield-every", type=int, default=100)
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # asyncsync's start-up progress
     asyncio.run(main(a.updates, a.envs, a.yield_every))

@@ -69,5 +69,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # asyncsync's progress lines (its logger, INFO)
     asyncio.run(main())

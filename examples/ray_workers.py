@@ -12,6 +12,11 @@ to the trainer by address: every update goes through shared memory. With ``--nod
 Ray node runs ``--workers`` actors and one relay actor, which receives each update once
 over the network (``DistributedWeightSyncScheme``) and hands it to that node's actors
 through its shared memory. Ray's object store carries no weights either way.
+
+What the actors print stays in Ray's log files (``/tmp/ray/session_latest/logs/worker-*``),
+not on this console: with ``--nodes``, a relay that joins while the group re-forms for the
+other node logs a rendezvous it gave up (torch's gloo prints an error line for it), which
+is part of a normal start. An actor that fails is reported here, by the call that needed it.
 """
 
 from __future__ import annotations
@@ -77,16 +82,16 @@ if __name__ == "__main__":
     args = parser.parse_args()
     cluster = None
     if args.address is not None:
-        ray.init(address=args.address)
+        ray.init(address=args.address, log_to_driver=False)
     elif args.nodes:  # two raylets on this machine, each a Ray node of its own
         from ray.cluster_utils import Cluster
 
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.workers, "include_dashboard": False})
         cluster.add_node(num_cpus=args.workers)
-        ray.init(address=cluster.address)
+        ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
     else:
-        ray.init(num_cpus=max(2, args.workers), include_dashboard=False)
+        ray.init(num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
     try:
         asyncio.run(on_every_node(args.workers, args.steps) if args.nodes else on_this_node(args.workers, args.steps))
     finally:

@@ -4,7 +4,10 @@
 trainer learns with REINFORCE and, after every batch, ``collector.update_policy_weights_()``
 pushes the new weights through ``AsyncSyncScheme`` (returns once both workers run them).
 
-Run: ``python examples/torchrl_collector.py`` (needs ``pip install torch==2.13.0 torchrl==0.14.1 gymnasium``).
+Run: ``python examples/torchrl_collector.py``. It needs torchrl and gymnasium:
+``pip install torch==2.13.0 torchrl==0.14.1 tensordict==0.14.3 gymnasium``. torchrl 0.14.1
+requires ``tensordict<0.15``: where a newer tensordict is installed, this replaces it with
+0.14.3 (asyncsync works with both; use a virtual environment of its own to keep the newer one).
 """
 
 from __future__ import annotations

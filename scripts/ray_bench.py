@@ -179,7 +179,7 @@ async def main() -> None:
             for way, samples in results.items():
                 p50, p90 = summary(samples)
                 rows.append(f"| {size} | {way} | {p50:.2f} | {p90:.2f} | {p50 / base:.2f}x |")
-        print(f"{args.workers} workers, {args.rounds} rounds of {args.repeats} sends per way, {os.cpu_count()} CPUs; round trip send -> ack")
+        print(f"{args.workers} worker{'' if args.workers == 1 else 's'}, {args.rounds} rounds of {args.repeats} sends per way, {os.cpu_count()} CPUs; round trip send -> ack")
         print("| model | way | p50 ms | p90 ms | p50 vs spawn |")
         print("| --- | --- | ---: | ---: | ---: |")
         print("\n".join(rows))

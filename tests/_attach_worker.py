@@ -61,5 +61,24 @@ async def main(idx: int, address: str | None) -> int:
     return 0
 
 
+def run_trainer(tmpdir: str, sink: Any) -> None:
+    """A trainer that listens on the default address (temporary files under *tmpdir*),
+    sends it to *sink*, waits for worker 0, says ``connected`` and runs until killed."""
+    import tempfile
+
+    tempfile.tempdir = tmpdir
+    asyncio.run(_trainer(sink))
+
+
+async def _trainer(sink: Any) -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    address = await scheme.listen()
+    sink.send_bytes(str(address).encode())
+    async with scheme:
+        sink.send_bytes(b"connected")
+        await asyncio.Event().wait()  # until SIGKILL
+
+
 if __name__ == "__main__":
     sys.exit(asyncio.run(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)))

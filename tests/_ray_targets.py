@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import select
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,3 +49,19 @@ def assert_versions_then_the_latest(results: dict[Any, list[tuple[int, list[floa
         versions = [v for v, _ in seen]
         assert versions == sorted(set(versions)) and versions[-1] == 11
         assert all(values == [float(v)] for v, values in seen), "each version's weights, exactly as sent"
+
+
+def assert_exited(pids: Mapping[Any, int], what: str = "worker {}") -> None:
+    """Every actor process of *pids* (``{key: pid}``, on this machine; *what* names one by its
+    key) has exited: it is gone, or its exit waits for its raylet to reap it (psutil then
+    says zombie, or dead)."""
+    for key, pid in pids.items():
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            running = not select.select([fd], [], [], 0)[0]  # a pidfd reads ready once its process exited
+        finally:
+            os.close(fd)
+        assert not running, f"{what.format(key)}'s actor (pid {pid}) still runs after the group closed"

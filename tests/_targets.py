@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from asyncsync import AsyncQueue, MultiProcessWeightSyncScheme
+
+
+class LogRecords(logging.Handler):
+    """What asyncsync logs in a worker process: its expected warnings, for the test to check
+    (kept off the test run's output). ``LogRecords.install()`` in the worker function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    @classmethod
+    def install(cls) -> LogRecords:
+        handler = cls()
+        logging.getLogger("asyncsync").addHandler(handler)
+        return handler
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def make_model(kind: str = "mlp") -> nn.Module:

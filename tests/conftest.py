@@ -11,7 +11,10 @@ os.environ.setdefault("ASYNCSYNC_START_METHOD", "forkserver")
 
 import asyncio
 import faulthandler
+import fcntl
 import multiprocessing as mp
+import re
+import stat
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -59,7 +62,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         from asyncsync._local._workers import FORKSERVER_PRELOAD
 
         unset = mp.get_start_method(allow_none=True) is None
-        forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        # tests._forkserver_stdio: the workers it forks write where this process does (pytest's capture)
+        forkserver.set_forkserver_preload([*FORKSERVER_PRELOAD, "tests._forkserver_stdio"])
         forkserver.ensure_running()
         if unset:
             # ensure_running() fixes the global start method to the platform's default (fork),
@@ -112,7 +116,17 @@ class _UvloopFactories:
         return {"uvloop": uvloop.new_event_loop}
 
 
+def selects_slow(markexpr: str) -> bool:
+    """The mark expression picks slow tests (``-m slow``, ``-m "slow or ray"``), not only
+    leaves them out (``not slow``)."""
+    return re.search(r"(?<!not )\bslow\b", markexpr) is not None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if config.option.verbose == 0 and selects_slow(config.option.markexpr or ""):
+        # Slow tests run for minutes each: name every test as it starts and as it ends
+        # (as -v does), so a long run shows where it is. -q keeps it quiet.
+        config.option.verbose = 1
     if TEST_LOOP == "asyncio":
         return
     if TEST_LOOP != "uvloop":
@@ -120,6 +134,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.hasplugin("asyncio") or not hasattr(config.hook, "pytest_asyncio_loop_factories"):
         raise pytest.UsageError("ASYNCSYNC_TEST_LOOP=uvloop needs pytest-asyncio >= 1.3 (its loop-factory hook)")
     config.pluginmanager.register(_UvloopFactories(), "asyncsync-uvloop")
+
+
+@pytest.fixture(autouse=True)
+def _appending_capture() -> None:
+    """pytest's capture file takes what forkserver workers write (tests/_forkserver_stdio.py)
+    at its end: this process writes at its end too, not over theirs."""
+    for fd in (1, 2):
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
 
 
 @pytest.fixture(autouse=True)

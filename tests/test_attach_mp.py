@@ -166,7 +166,7 @@ async def test_programs_attach_by_address_and_receive_every_version() -> None:
             seen = [(e["version"], e["values"]) for e in events if "version" in e]
             assert seen == [(v, [float(v)]) for v in range(4)], "each version's weights, exactly as sent"
             assert await w.proc.wait() == 0
-    assert not os.path.exists(address.path), "aclose removes the socket file"
+    assert_nobody_listens(address)
 
 
 async def test_a_late_worker_gets_the_newest_version_first() -> None:
@@ -301,10 +301,11 @@ async def test_a_killed_program_is_named_dead_and_its_restart_reattaches() -> No
             await scheme.sender.wait_dead(0, timeout=30)
             with pytest.raises(WorkerDiedError, match="worker 0") as info:
                 await scheme.send()
-            assert info.value.worker_idx == 0
+            assert info.value.worker_idx == 0 and info.value.applied_by == ()
             restarted = await start(0, address)
             await scheme.sender.wait_joined(0, timeout=60)
-            assert (await restarted.event())["version"] == scheme.version == 0  # the newest it lacks
+            # the newest sent to worker 0: the send that raised, which its replacement gets first
+            assert (await restarted.event())["version"] == scheme.version == 1
             fill_(model, 6.0)
             version = await scheme.send()
         events = await restarted.events_until("stopped")
@@ -338,7 +339,6 @@ async def test_nothing_left_after_aclose_and_a_crash() -> None:
     scheme = MultiProcessWeightSyncScheme(timeout=60, on_worker_error="skip")
     scheme.init_on_sender(model=model, num_workers=2)
     address = await scheme.listen()
-    socket_dir = os.path.dirname(address.path)
     async with programs() as start:
         workers = [await start(i, address) for i in range(2)]
         async with scheme:
@@ -347,7 +347,7 @@ async def test_nothing_left_after_aclose_and_a_crash() -> None:
             await scheme.sender.wait_dead(1, timeout=30)
             await scheme.send()
         assert (await workers[0].events_until("stopped"))[-1] == {"stopped": 2}
-    assert not os.path.exists(socket_dir), "the private socket directory is removed"
+    assert_nobody_listens(address)
     fds1, _, threads1 = snapshot()
     assert fds1 == fds0, f"descriptors left: {[(fd, _link(fd)) for fd in sorted(fds1 - fds0)]}"
     assert not shm_left(shm0), f"/dev/shm entries left: {shm_left(shm0)}"
@@ -430,6 +430,84 @@ async def test_a_socket_file_left_by_a_dead_trainer_is_replaced_and_a_live_one_r
         await first.aclose()
         await second.aclose()
     assert not os.path.exists(path)
+
+
+async def test_a_sigkilled_trainer_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A trainer process listens on the default address, a worker in this process attaches
+    by its string, the trainer is SIGKILLed: the worker sees it die, and nothing of the
+    trainer's socket remains (no file or directory in its temporary directory, the name
+    free again)."""
+    ctx = multiprocessing.get_context(os.environ.get("ASYNCSYNC_START_METHOD", "forkserver"))
+    events, sink = ctx.Pipe(duplex=False)
+    trainer = ctx.Process(target=_attach_worker.run_trainer, args=(str(tmp_path), sink), name="killed-trainer")
+    trainer.start()
+    sink.close()
+    address = WorkerAddress.from_string(await _next_event(events))
+    worker = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
+    model = nn.Linear(4, 4)
+    worker.init_on_receiver(model=model)
+    try:
+        await worker.connect()
+        assert await _next_event(events) == "connected" and worker.version == 0
+        trainer.kill()
+        await anyio.wait_readable(trainer.sentinel)
+        with pytest.raises(SenderDiedError):
+            await asyncio.wait_for(worker.wait_stopped(), 30)
+    finally:
+        await worker.aclose()
+        trainer.kill()
+        trainer.join(30)
+        events.close()
+        trainer.close()
+    assert os.listdir(tmp_path) == [], "the killed trainer left files behind"
+    assert_nobody_listens(address)
+
+
+async def test_a_relative_path_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    scheme = MultiProcessWeightSyncScheme(timeout=60)
+    scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    address = await scheme.listen(path="rel.sock")
+    assert address.path == str(tmp_path / "rel.sock")
+    monkeypatch.chdir(ROOT)  # the worker runs elsewhere: the address still finds the socket
+    async with programs() as start:
+        worker = await start(0, address)
+        async with scheme:
+            assert (await worker.event())["version"] == 0
+        assert (await worker.events_until("stopped"))[-1] == {"stopped": 0}
+    assert not os.path.exists(tmp_path / "rel.sock")
+
+
+async def test_a_socket_path_too_long_is_refused_naming_it(tmp_path: Path) -> None:
+    scheme = MultiProcessWeightSyncScheme(timeout=10)
+    scheme.init_on_sender(model=nn.Linear(4, 4), num_workers=1)
+    path = str(tmp_path / ("x" * 120))
+    try:
+        with pytest.raises(ValueError, match=f"the socket path '{path}' is .* bytes, a Unix socket's address holds at most 107"):
+            await scheme.listen(path)
+        assert scheme.listener is None
+    finally:
+        await scheme.aclose()
+
+
+async def _next_event(conn: Any) -> str:
+    with anyio.fail_after(60):
+        await anyio.wait_readable(conn.fileno())
+    return bytes(conn.recv_bytes()).decode()
+
+
+def assert_nobody_listens(address: WorkerAddress) -> None:
+    """Nothing is bound at *address* any more: no socket file, and a connection is refused."""
+    import socket
+
+    if not address.path.startswith("@"):
+        assert not os.path.exists(address.path), f"{address.path} is left"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with pytest.raises((ConnectionRefusedError, FileNotFoundError)):
+            probe.connect(address.sockaddr())
+    finally:
+        probe.close()
 
 
 def _link(fd: str) -> str:

@@ -7,6 +7,7 @@ import math
 import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,22 @@ def test_echo_rejects_bad_arguments() -> None:
         measure_echo(1, 0)
 
 
+def _wait_until_sleeping(pid: int, timeout_s: float = 30.0) -> None:
+    """Until *pid* sleeps (state ``S`` in ``/proc/<pid>/stat``): its CPU counters are final."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+        if stat[stat.rindex(")") + 2] == "S":
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not go to sleep within {timeout_s} s")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_cpu_of_another_process() -> None:
-    """A child that burns 0.2 s of CPU, then waits: the sample agrees with its own clock."""
+    """A child burns 0.2 s of CPU, reports its own clock, then sleeps on its stdin: the
+    sample counts all the CPU it had used, and a window in which it sleeps counts none."""
     code = (
         "import sys, time\n"
         "while time.process_time() < 0.2:\n"
@@ -51,12 +66,18 @@ def test_cpu_of_another_process() -> None:
         assert child.stdin is not None and child.stdout is not None
         try:
             own = float(child.stdout.readline())
-            used = _cpu.elapsed_s([{}], _cpu.sample([child.pid]))
+            _wait_until_sleeping(child.pid)
+            first = _cpu.sample([child.pid])
+            second = _cpu.sample([child.pid])
         finally:
             child.stdin.close()
             child.wait(timeout=10)
+    used = _cpu.elapsed_s([{}], first)
     assert used is not None
-    assert abs(used - own) < 0.03, (used, own)
+    # the scheduler's counters are exact (ns); psutil's fallback counts clock ticks
+    tick = 0.01 if first[0] is not None and -1 in first[0] else 0.0
+    assert used >= own - tick, (used, own)
+    assert _cpu.elapsed_s(first, second) == 0.0  # asleep: nothing to count
     assert _cpu.elapsed_s([None], [None]) is None
     assert _cpu.sample([None]) == [None]
 
@@ -116,25 +137,3 @@ def test_markdown_without_measurements() -> None:
     }
     line = markdown([row]).splitlines()[2]
     assert "| 600x | - | - | - | - (1.250) |" in line
-
-
-def test_profile_splits_a_send_by_owner() -> None:
-    from asyncsync.bench.profile import profile_sends
-
-    r = profile_sends("1k/4", workers=2, sends=20, top=5)
-    assert _positive(r["cpu_us_per_send"]) and _positive(r["profiled_cpu_us_per_send"])
-    assert {"sender", "receiver", "channel"} <= set(r["shares"])
-    assert math.isclose(sum(r["shares"].values()), 1.0)
-    assert "function calls" in r["top"]  # which functions come first depends on the machine
-    with pytest.raises(ValueError):
-        profile_sends("1k", workers=0)
-
-
-def test_profile_of_the_trainer_alone_with_worker_processes() -> None:
-    from asyncsync.bench.profile import profile_sends
-
-    r = profile_sends("1k/4", workers=1, sends=10, top=5, flat=True, spawned=True)
-    assert r["spawned"] and _positive(r["cpu_us_per_send"]) and _positive(r["profiled_cpu_us_per_send"])
-    assert "receiver" not in r["shares"]  # the receivers ran in their own processes
-    assert math.isclose(sum(r["shares"].values()), 1.0)
-    assert "function calls" in r["top"]

@@ -110,7 +110,10 @@ async def test_relay_connect_is_bounded_off_the_loop_cancel_safe_and_can_be_retr
 
 async def test_relay_connect_to_a_store_that_never_answers_ends_at_its_timeout() -> None:
     """MASTER_ADDR:port reaches a listener that accepts and never answers: init_on_relay
-    returns at once and connect() raises SyncTimeoutError at its own timeout."""
+    returns at once and connect() raises SyncTimeoutError at its own timeout. The store's
+    client, left connecting in a thread of its own, ends once the listener is gone (at the
+    store's timeout): within this test, which captures what torch prints about it."""
+    before = set(threading.enumerate())
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
@@ -127,6 +130,10 @@ async def test_relay_connect_to_a_store_that_never_answers_ends_at_its_timeout()
             await ticker.aclose()
             await relay.aclose()
             await worker.aclose()
+    for t in set(threading.enumerate()) - before:
+        if t.name == "asyncsync-blocking-call":
+            await asyncio.to_thread(t.join, 60)
+            assert not t.is_alive(), "the store's client still connects to a listener that is gone"
 
 
 async def test_a_blocked_loop_longer_than_the_silence_timeout_loses_nobody() -> None:

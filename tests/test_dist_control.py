@@ -14,12 +14,13 @@ import pytest
 
 from asyncsync import BrokenChannelError
 from asyncsync._dist._control import ControlStream
-from asyncsync._wire._protocol import HEADER_BYTES, Ack, Beat, decode
+from asyncsync._wire._codec import decode
+from asyncsync._wire._control import HEADER_BYTES, Ack, Beat, FromRelay, decode_from_relay
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _pair() -> tuple[ControlStream, socket.socket]:
+async def _pair() -> tuple[ControlStream[FromRelay], socket.socket]:
     """A stream on this loop, and the other end as a plain blocking socket."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -27,11 +28,11 @@ async def _pair() -> tuple[ControlStream, socket.socket]:
     peer, _ = await asyncio.to_thread(listener.accept)
     listener.close()
     peer.settimeout(30.0)
-    return ControlStream(reader, writer, "test peer"), peer
+    return ControlStream(reader, writer, "test peer", decode_from_relay), peer
 
 
 @pytest.fixture
-async def pair() -> AsyncIterator[tuple[ControlStream, socket.socket]]:
+async def pair() -> AsyncIterator[tuple[ControlStream[FromRelay], socket.socket]]:
     stream, peer = await _pair()
     try:
         yield stream, peer
@@ -56,7 +57,7 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-async def test_frames_stay_whole_and_in_order_when_the_socket_is_full(pair: tuple[ControlStream, socket.socket]) -> None:
+async def test_frames_stay_whole_and_in_order_when_the_socket_is_full(pair: tuple[ControlStream[FromRelay], socket.socket]) -> None:
     stream, peer = pair
     # Far more than the socket buffers hold while the peer reads nothing: the first frames
     # go out at once, the rest wait for the stream's thread, behind what is still queued.
@@ -69,14 +70,14 @@ async def test_frames_stay_whole_and_in_order_when_the_socket_is_full(pair: tupl
     await asyncio.wait_for(stream.drain(), 30.0)  # everything written
 
 
-async def test_drain_returns_once_every_frame_is_written(pair: tuple[ControlStream, socket.socket]) -> None:
+async def test_drain_returns_once_every_frame_is_written(pair: tuple[ControlStream[FromRelay], socket.socket]) -> None:
     stream, peer = pair
     stream.send(Ack(0, 1, True, None, None, 0.0, 0.0))
     await asyncio.wait_for(stream.drain(), 30.0)
     assert await asyncio.to_thread(_read_frame, peer) == Ack(0, 1, True, None, None, 0.0, 0.0)
 
 
-async def test_heartbeats_go_out_while_the_loop_is_blocked(pair: tuple[ControlStream, socket.socket]) -> None:
+async def test_heartbeats_go_out_while_the_loop_is_blocked(pair: tuple[ControlStream[FromRelay], socket.socket]) -> None:
     stream, peer = pair
     stream.send(Ack(0, 1, True, None, None, 0.0, 0.0))
     beat_seen = threading.Event()
@@ -96,7 +97,7 @@ async def test_heartbeats_go_out_while_the_loop_is_blocked(pair: tuple[ControlSt
     watcher.join(30.0)
 
 
-async def test_frames_and_heartbeats_interleave_whole(pair: tuple[ControlStream, socket.socket]) -> None:
+async def test_frames_and_heartbeats_interleave_whole(pair: tuple[ControlStream[FromRelay], socket.socket]) -> None:
     stream, peer = pair
     stream.start_heartbeat(0.001)
     assert await asyncio.to_thread(_read_frame, peer) == Beat()
@@ -115,7 +116,7 @@ async def test_frames_and_heartbeats_interleave_whole(pair: tuple[ControlStream,
     assert await asyncio.to_thread(acks) == sent
 
 
-async def test_send_after_close_raises(pair: tuple[ControlStream, socket.socket]) -> None:
+async def test_send_after_close_raises(pair: tuple[ControlStream[FromRelay], socket.socket]) -> None:
     stream, _ = pair
     stream.close()
     with pytest.raises(BrokenChannelError, match="test peer"):

@@ -46,14 +46,17 @@ async def test_1_relay_killed_mid_broadcast_is_named_and_group_reforms(fc: DistC
         await c.scheme.send()  # host 2 SIGKILLs itself once the first chunk of this broadcast arrived
     assert info.value.host == 2 and info.value.worker_idx == (2, 0)
     assert "host 2" in str(info.value) and "(2, 0)" in str(info.value)
+    assert info.value.applied_by == ((1, 0),)  # host 1 got that version all the same
     await c.hosts[2].probes[0].q.put(("exit",))  # its orphaned worker: let it go now
     stats = c.scheme.statistics()
     assert stats.host(2).state == "dead" and stats.worker((2, 0)).state == "dead"
-    # a send that targets the dead host fails at once; one to the living goes through: the
-    # group was re-formed without host 2, and host 1, left inside the broken broadcast, was
-    # released from it
-    with pytest.raises(HostLostError):
+    # a send that targets the dead host reaches the living one, then names the dead host; one
+    # to the living goes through: the group was re-formed without host 2, and host 1, left
+    # inside the broken broadcast, was released from it
+    v = c.scheme.version + 1
+    with pytest.raises(HostLostError) as again:
         await c.scheme.send()
+    assert again.value.applied_by == ((1, 0),) and (await c.state((1, 0)))[0] == v
     fill_(c.model, 3.0)
     v = await c.scheme.send(worker_ids=[(1, 0)])
     version, sd = await c.state((1, 0))
@@ -91,6 +94,7 @@ async def test_2_restarted_host_rejoins_with_the_latest_weights_then_its_worker_
     with pytest.raises(WorkerDiedError) as died:
         await c.scheme.send()
     assert died.value.worker_idx == (2, 0) and died.value.exitcode == -9
+    assert died.value.applied_by == ((1, 0),) and (await c.state((1, 0)))[0] == c.scheme.version
     assert "on host 2" in str(died.value) and "(2, 0)" in str(died.value)
     assert c.scheme.statistics().host(2).state == "connected"  # the host itself lives on
     await c.hosts[2].probes[0].q.aclose()  # its probe is gone with it

@@ -420,7 +420,7 @@ async def test_a_relay_that_leaves_is_named_as_left() -> None:
 async def test_a_silent_relay_is_declared_lost() -> None:
     """A peer that authenticates, then sends nothing (no heartbeat) for silence_timeout."""
     from asyncsync._dist._control import auth_mac
-    from asyncsync._wire._protocol import Auth, Challenge, Setup, Welcome, decode, encode
+    from asyncsync._wire._control import Auth, Challenge, Setup, Welcome, decode_to_relay, encode
 
     port = free_port()
     trainer = DistributedWeightSyncScheme(
@@ -431,12 +431,12 @@ async def test_a_silent_relay_is_declared_lost() -> None:
     assert trainer.sender.address is not None
     reader, writer = await asyncio.open_connection(*trainer.sender.address)
     try:
-        challenge = decode(await reader.readexactly(40))
+        challenge = decode_to_relay(await reader.readexactly(40))
         assert isinstance(challenge, Challenge)
         writer.write(encode(Auth(1, 1, 4242, b"\x03" * 32, auth_mac(b"t0ken", challenge.nonce, 1, 1))))
-        assert isinstance(decode(await reader.readexactly(40)), Welcome)
+        assert isinstance(decode_to_relay(await reader.readexactly(40)), Welcome)
         header = await reader.readexactly(8)
-        setup = decode(header + await reader.readexactly(int.from_bytes(header[4:], "big")))
+        setup = decode_to_relay(header + await reader.readexactly(int.from_bytes(header[4:], "big")))
         assert isinstance(setup, Setup) and setup.layout == trainer.sender.layout
         await trainer.sender.wait_lost(1, timeout=30)  # ...and now it says nothing
         host = trainer.statistics().host(1)

@@ -16,7 +16,8 @@ from anyio import wait_all_tasks_blocked
 
 from asyncsync import AuthenticationError, DistributedWeightSyncScheme, WeightsError, spawn_workers
 from asyncsync._dist._control import auth_mac
-from asyncsync._wire._protocol import Auth, Challenge, decode, encode
+from asyncsync._wire._codec import PROTOCOL_VERSION
+from asyncsync._wire._control import Auth, Challenge, decode_to_relay, encode
 from tests._dist_cluster import TOKEN, DistCluster, free_port
 from tests._dist_targets import state_dict_host
 from tests._targets import fill_, make_model
@@ -167,8 +168,8 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
     "frame",
     [
         b"GET / HTTP/1.1\r\n\r\n",  # not our magic
-        struct.pack("!2sBBI", b"AS", 1, 10, 1 << 30),  # an Auth that announces 1 GiB
-        struct.pack("!2sBBI", b"AS", 1, 10, 76) + b"\x00" * 10,  # truncated, then EOF
+        struct.pack("!2sBBI", b"AS", PROTOCOL_VERSION, 10, 1 << 30),  # an Auth that announces 1 GiB
+        struct.pack("!2sBBI", b"AS", PROTOCOL_VERSION, 10, 76) + b"\x00" * 10,  # truncated, then EOF
         encode(Challenge(b"\x01" * 32)),  # the trainer's message, from a client
         b"\x80\x04\x95" + b"pickle!" * 4,  # a pickle: never unpickled
     ],
@@ -176,7 +177,7 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
 async def test_garbage_and_truncated_frames_close_the_connection(dc: DistCluster, frame: bytes, caplog: pytest.LogCaptureFixture) -> None:
     reader, writer = await _raw(dc)
     try:
-        challenge = decode(await reader.readexactly(40))
+        challenge = decode_to_relay(await reader.readexactly(40))
         assert isinstance(challenge, Challenge)
         with caplog.at_level(logging.WARNING, logger="asyncsync"):
             writer.write(frame)
@@ -194,7 +195,7 @@ async def test_garbage_and_truncated_frames_close_the_connection(dc: DistCluster
 async def test_wrong_token_is_refused_by_the_trainer(dc: DistCluster, caplog: pytest.LogCaptureFixture) -> None:
     reader, writer = await _raw(dc)
     try:
-        challenge = decode(await reader.readexactly(40))
+        challenge = decode_to_relay(await reader.readexactly(40))
         assert isinstance(challenge, Challenge)
         with caplog.at_level(logging.WARNING, logger="asyncsync"):
             writer.write(encode(Auth(2, 1, 1, b"\x02" * 32, auth_mac(b"not-the-token", challenge.nonce, 2, 1))))

@@ -6,15 +6,38 @@ from __future__ import annotations
 import asyncio
 import struct
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncsync import BrokenChannelError, ProtocolError
+from asyncsync import BrokenChannelError, Layout, ProtocolError
 from asyncsync._dist._control import HANDSHAKE_LIMIT, ControlStream, auth_mac, welcome_mac
-from asyncsync._wire._protocol import MAX_TARGETS, Auth, Beat, Challenge, Group, Lost, Message, Transfer, Welcome, decode, encode
+from asyncsync._wire._codec import PROTOCOL_VERSION, decode, encode
+from asyncsync._wire._control import FromRelay, Handshake, ToRelay, decode_from_relay, decode_handshake, decode_to_relay
+from asyncsync._wire._messages import (
+    MAX_TARGETS,
+    Ack,
+    Auth,
+    Beat,
+    Bye,
+    Challenge,
+    Group,
+    Hello,
+    Lost,
+    Mailbox,
+    MapSlots,
+    Message,
+    Poll,
+    Receive,
+    Setup,
+    Staged,
+    Stop,
+    Transfer,
+    Welcome,
+)
 from tests._strategies import texts
 from tests.test_protocol import _decode_or_reject, _fix_length
 
@@ -66,7 +89,7 @@ messages = st.one_of(
         .filter(lambda xs: len(xs) >= 2)
         .map(lambda xs: tuple((a, b - a) for a, b in zip(xs[0::2], xs[1::2]))),
     ),
-    st.builds(Lost, U32, st.none() | st.integers(-(1 << 31), (1 << 31) - 1), texts(max_size=40)),
+    st.builds(Lost, U32, st.none() | st.integers(-(1 << 31) + 1, (1 << 31) - 1), texts(max_size=40)),  # -2**31 means None
 )
 
 
@@ -95,12 +118,45 @@ def test_encoder_refuses_what_cannot_travel() -> None:
         (encode(Transfer(0, 0, False, 0, (1,)))[:-4], "Transfer"),
         (_fix_length(encode(Transfer(0, 0, False, 0, ()))[:-12] + struct.pack("!qI", 3, 0)), "Transfer: field 'base'"),
         (_fix_length(encode(Transfer(0, 0, False, 0, ()))[:-12] + struct.pack("!qIQQQQ", 3, 2, 8, 4, 4, 4)), "Transfer: field 'ranges'"),
-        (_fix_length(encode(Lost(0, 1, "x"))[:12] + b"\x02" + encode(Lost(0, 1, "x"))[13:]), "Lost: field 'exitcode'"),
+        (_fix_length(encode(Lost(0, 1, "x"))[:-1]), "Lost: field 'reason': truncated"),
     ],
 )
 def test_decoder_rejects_malformed_control_frames(frame: bytes, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         decode(frame)
+
+
+SHARED: list[Message] = [Setup(Layout((), 0), None, 1), Stop(), Ack(0, 1, True), Bye(0, -1, "refused")]  # local messages the control plane reuses
+LOCAL_ONLY: list[Message] = [Hello(0, 1), Receive(1, 0), Poll(0), Mailbox(64), MapSlots((0,), (64,)), Staged(0, 1, None)]
+DIRECTIONS: list[tuple[Callable[[bytes], Any], Any, str]] = [
+    (decode_to_relay, ToRelay, "a trainer never sends this message"),
+    (decode_from_relay, FromRelay, "a relay never sends this message"),
+    (decode_handshake, Handshake, "not a handshake message"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES + SHARED + LOCAL_ONLY, ids=lambda m: type(m).__name__)
+def test_each_control_direction_decodes_its_own_messages_and_refuses_the_others_by_name(msg: Message) -> None:
+    frame = encode(msg)
+    for decode_one, kinds, refusal in DIRECTIONS:
+        if isinstance(msg, get_args(kinds)):
+            assert decode_one(frame) == msg
+        else:
+            with pytest.raises(ProtocolError, match=rf"^{type(msg).__name__}: {refusal}$"):
+                decode_one(frame)
+
+
+def test_the_stream_reader_refuses_a_message_of_the_other_direction_naming_the_peer() -> None:
+    async def read() -> BaseException:
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode(Beat()) + encode(Group(1, 0, 2, 64)))
+        stream = ControlStream(reader, None, "relay at 10.0.0.1:1234", decode_from_relay)
+        assert await stream.recv(timeout=5) == Beat()
+        with pytest.raises(ProtocolError) as info:
+            await stream.recv(timeout=5)
+        return info.value
+
+    assert str(asyncio.run(read())) == "relay at 10.0.0.1:1234: Group: a relay never sends this message"
 
 
 def test_macs_bind_the_token_the_nonce_and_the_claim() -> None:
@@ -139,7 +195,7 @@ async def _read_all(data: bytes, limit: int) -> list[Message | BaseException]:
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     reader.feed_eof()
-    stream = ControlStream(reader, None, "peer 10.0.0.1:1234")  # type: ignore[arg-type]
+    stream = ControlStream(reader, None, "peer 10.0.0.1:1234", decode)
     stream.limit = limit
     out: list[Message | BaseException] = []
     while True:
@@ -162,6 +218,6 @@ def test_fuzz_stream_reader(msgs: list[Message], junk: bytes, limit: int) -> Non
 
 
 def test_stream_reader_refuses_an_oversized_frame_before_reading_it() -> None:
-    header = struct.pack("!2sBBI", b"AS", 1, 10, 1 << 31)
+    header = struct.pack("!2sBBI", b"AS", PROTOCOL_VERSION, 10, 1 << 31)
     out = asyncio.run(_read_all(header, HANDSHAKE_LIMIT))
     assert isinstance(out[0], ProtocolError) and "more than the 76 allowed" in str(out[0])

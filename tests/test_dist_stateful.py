@@ -5,8 +5,8 @@ bfloat16 transfers), async sends and waits, manual commits, busy workers, stalle
 a blocked trainer loop, relay crashes (the control connection ends without goodbye, the
 gloo connections stay open while a receive runs in them) and leaves, and rejoins. After
 every step each worker holds exactly the version it reports, sent to it, versions only go
-up; a lost host's workers keep a complete version and a send to them is refused with
-:class:`HostLostError` before anything is sent; a rejoined host's workers get their
+up; a lost host's workers keep a complete version, and a send or wait naming them raises
+:class:`HostLostError` once the living targets answered; a rejoined host's workers get their
 newest version first. Real kills (SIGKILL) are in tests/test_dist_faults_mp.py."""
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def test_dist_random_interleavings_short() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_dist_random_interleavings() -> None:
-    assert run_machine(_settings(100, 20), ("hosts",)) >= 500
+@pytest.mark.parametrize("part", range(5))
+def test_dist_random_interleavings(part: int) -> None:
+    """100 examples in all, in 5 parts of 20: a slow run reports each part as it ends."""
+    assert run_machine(_settings(20, 20), ("hosts",)) >= 100
 
 
 @pytest.mark.timeout(300)

@@ -9,6 +9,7 @@ gymnasium is part of the ``test`` extra: an import error here is a broken instal
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,18 @@ UPDATES = 12
 
 @pytest.mark.timeout(120)  # two spawned workers import torch and gymnasium: slow on a loaded machine
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_async_rl_learns(mode: str, tmp_path: Path) -> None:
+def test_async_rl_learns(mode: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--seed", "0", "--envs-per-worker", "4", "--fragment", "32", "--max-updates", str(UPDATES), "--target", "500"]
-    argv += ["--time-limit", "100", "--eval-episodes", "10", "--out", str(tmp_path), "--no-plot", "--no-progress"]
+    argv += ["--time-limit", "100", "--eval-episodes", "10", "--out", str(tmp_path), "--no-plot"]
     if mode == "sync":
-        argv += ["--sync", "--max-lag", "0"]
+        argv += ["--sync", "--max-lag", "0", "--no-progress"]
     summary = async_rl.main(argv)
+
+    # not a terminal here: progress comes as plain lines (the last one at the end), unless turned off
+    out = capsys.readouterr().out
+    assert "2 workers run version 0" in out
+    progress = re.findall(rf"^ *[0-9.]+ s  \d+ episodes  ret \S+  v {UPDATES}  lag", out, re.MULTILINE)
+    assert bool(progress) == (mode == "async"), out
 
     written = json.loads((tmp_path / "summary.json").read_text())
     assert {k: written[k] for k in ("mode", "updates", "env_steps", "sync_latency_ms", "dropped_rollouts")} == {

@@ -49,10 +49,13 @@ async def test_worker_killed_while_sender_waits_for_acks() -> None:
         assert stats.worker(1).state == "dead" and stats.worker(1).exitcode == -9
         # the living worker is unaffected: commit its staged update
         assert (await c.probes[0].ask("commit"))[1] == 1
-        # with on_worker_error="raise" a send that targets the dead worker fails at once
-        with pytest.raises(WorkerDiedError):
-            await scheme.send()
-        assert scheme.version == 1  # nothing was sent
+        # a send that targets the dead worker still reaches the living one, then names the dead one
+        send = asyncio.ensure_future(scheme.send())
+        assert (await c.probes[0].ask("wait_version", 2)) == 1  # staged
+        assert (await c.probes[0].ask("commit"))[1] == 2
+        with pytest.raises(WorkerDiedError) as again:
+            await send
+        assert again.value.worker_idx == 1 and again.value.applied_by == (0,)
     finally:
         await c.kill_close()
 
@@ -98,6 +101,23 @@ async def test_skip_mode_rejoin_gets_latest_weights(asyncsync_workers: Callable[
             v2 = await scheme.send()
         results = await group.join(timeout=30)
     assert results == {0: v2, 1: v2}
+
+
+async def test_concurrent_restarts_of_a_worker_give_it_one_replacement() -> None:
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=model, num_workers=2)
+    async with spawn_workers(simple_worker, 2, args=(scheme,), scheme=scheme) as group:
+        async with scheme:
+            killed = group.processes[1].pid
+            group.kill(1)
+            # Two tasks that each saw it die: the second waits for the first and returns with it.
+            await asyncio.gather(group.restart(1, timeout=30), group.restart(1, timeout=30))
+            assert group.processes[1].pid != killed and group.processes[1].is_alive()
+            stats = scheme.statistics().worker(1)
+            assert (stats.state, stats.generation) == ("connected", 2)  # one new connection, not two
+            v = await scheme.send()
+        assert await group.join(timeout=30) == {0: v, 1: v}
 
 
 async def test_restart_bounds_the_replacements_connect_by_its_timeout_and_checks_its_index(

@@ -150,3 +150,47 @@ async def test_same_memory_shape_and_strides_in_another_dtype_is_refused() -> No
         fill_(trainer, 2.0)
         await scheme.send()
         assert _equal(lb.models[0], trainer)
+
+
+def _strided_model() -> nn.Module:
+    """A channels_last convolution, then a Linear whose weight is stored transposed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 5))
+    model[0].to(memory_format=torch.channels_last)
+    model[2].weight = nn.Parameter(torch.randn(16, 5).t())
+    return model
+
+
+async def test_flatten_keeps_each_tensors_strides_and_sends_it_right() -> None:
+    trainer = _strided_model()
+    strides = {k: t.stride() for k, t in trainer.state_dict().items()}
+    before = {k: t.clone() for k, t in trainer.state_dict().items()}
+    x = torch.randn(2, 3, 4, 4)
+    out = trainer(x)
+    flatten_parameters(trainer)
+    assert trainer[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert {k: t.stride() for k, t in trainer.state_dict().items()} == strides
+    assert all(torch.equal(trainer.state_dict()[k], v) for k, v in before.items())
+    assert len({t.untyped_storage().data_ptr() for t in trainer.state_dict().values()}) == 1
+    assert torch.equal(trainer(x), out)
+    # the flat buffer holds each tensor in its own order: no two tensors overlap
+    spans = sorted((t.storage_offset(), t.storage_offset() + t.numel()) for t in trainer.state_dict().values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    scheme = MultiProcessWeightSyncScheme(timeout=30)
+    scheme.init_on_sender(model=trainer, num_workers=1)
+    async with open_loopback(scheme, _strided_model) as lb:
+        for value in (1.0, 2.0):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.copy_(torch.randn_like(p) + value)
+            await scheme.send()
+            assert _equal(lb.models[0], trainer)
+
+
+def test_flatten_names_a_lazy_parameter_that_is_not_initialised() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"flatten_parameters: '1.weight' is not initialised yet .*forward pass"):
+        flatten_parameters(model)
+    model(torch.randn(2, 4))  # initialised: now it flattens
+    flatten_parameters(model)
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1

@@ -130,7 +130,7 @@ def test_exceptions_are_still_needed() -> None:
     [
         ("asyncsync._core._acks", "from .._local._sender import Sender\n"),
         ("asyncsync._core._acks", "from .._io import _queues\n"),
-        ("asyncsync._wire._protocol", "def f():\n    from asyncsync._io._shm import Segment\n"),
+        ("asyncsync._wire._codec", "def f():\n    from asyncsync._io._shm import Segment\n"),
         ("asyncsync._io._queues", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .._local import _receiver\n"),
         ("asyncsync._local._sender", "from .._dist._relay import Relay\n"),
         ("asyncsync._local._sender", "import asyncsync.testing\n"),
@@ -149,8 +149,8 @@ def test_a_forbidden_import_is_caught(module: str, source: str) -> None:
     "module,source",
     [
         ("asyncsync._core._acks", "from .._errors import ClosedError\nfrom ._signal import Signal\n"),
-        ("asyncsync._wire._protocol", "from .._core._layout import Layout\n"),
-        ("asyncsync._io._queues", "from .._wire._protocol import encode\n"),
+        ("asyncsync._wire._messages", "from .._core._layout import Layout\n"),
+        ("asyncsync._io._queues", "from .._wire._local import encode\n"),
         ("asyncsync._local._sender", "from .._io._slots import SlotPool\nfrom ._receiver import Receiver\n"),
         ("asyncsync._local._receiver", "from ._bucket import SlotBucket\n"),
         ("asyncsync._dist._relay", "from .._local._sender import Sender\nfrom . import _control\n"),

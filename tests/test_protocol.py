@@ -7,7 +7,7 @@ import asyncio
 import math
 import struct
 import tracemalloc
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
@@ -23,14 +23,19 @@ from asyncsync import (
     WorkerDiedError,
     loopback_worker,
 )
-from asyncsync._wire._protocol import (
-    _DTYPES,
+from asyncsync._wire._codec import _DTYPES, PROTOCOL_VERSION, decode, encode
+from asyncsync._wire._local import FromWorker, ToWorker, decode_from_worker, decode_to_worker
+from asyncsync._wire._messages import (
     MAX_NDIM,
     MAX_SLOTS,
     MAX_STRING,
     Ack,
+    Beat,
     Bye,
+    Challenge,
+    Group,
     Hello,
+    Lost,
     Mailbox,
     MapSlots,
     Message,
@@ -39,8 +44,6 @@ from asyncsync._wire._protocol import (
     Setup,
     Staged,
     Stop,
-    decode,
-    encode,
 )
 from tests._strategies import texts as utf8_text
 from tests._targets import fill_, make_model
@@ -96,7 +99,7 @@ MESSAGES: list[Message] = [
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg: Message) -> None:
     frame = encode(msg)
-    assert frame[:2] == b"AS" and frame[2] == 1
+    assert frame[:2] == b"AS" and frame[2] == PROTOCOL_VERSION
     assert struct.unpack_from("!I", frame, 4)[0] == len(frame) - 8
     assert decode(frame) == msg
     assert decode(bytearray(frame)) == msg
@@ -164,7 +167,7 @@ def _setup_frame(specs: list[tuple[str, int, tuple[int, ...], int, int]], total:
         for name in pair:
             body += [struct.pack("!I", len(name.encode())), name.encode()]
     payload = b"".join(body)
-    return struct.pack("!2sBBI", b"AS", 1, 2, len(payload)) + payload
+    return struct.pack("!2sBBI", b"AS", PROTOCOL_VERSION, 2, len(payload)) + payload
 
 
 def _with_u32(frame: bytes, offset: int, value: int) -> bytes:
@@ -179,7 +182,7 @@ REJECTED: list[tuple[bytes, str]] = [
     (b"", r"frame: field 'header': truncated"),
     (RECEIVE[:7], r"frame: field 'header': truncated"),
     (b"XY" + RECEIVE[2:], r"frame: field 'magic'"),
-    (RECEIVE[:2] + b"\x02" + RECEIVE[3:], r"frame: field 'version': protocol version 2"),
+    (RECEIVE[:2] + b"\x01" + RECEIVE[3:], r"frame: field 'version': protocol version 1 is not supported"),
     (RECEIVE[:3] + b"\x63" + RECEIVE[4:], r"frame: field 'type': unknown message type 99"),
     (RECEIVE[:3] + b"\x00" + RECEIVE[4:], r"frame: field 'type': unknown message type 0"),
     (RECEIVE[:-1], r"Receive: field 'length': truncated"),
@@ -197,12 +200,12 @@ REJECTED: list[tuple[bytes, str]] = [
     (_with_u32(encode(Stop("x")), 8, MAX_STRING + 1), r"Stop: field 'reason': a string of 65537 bytes, more than the limit of 65536"),
     (encode(MapSlots((1,), (64,)))[:8] + struct.pack("!BI", 0, MAX_SLOTS + 1), r"MapSlots: field 'length'"),
     (
-        struct.pack("!2sBBIBI", b"AS", 1, 3, 5 + 12 * 300, 0, 300) + bytes(12 * 300),
+        struct.pack("!2sBBIBI", b"AS", PROTOCOL_VERSION, 3, 5 + 12 * 300, 0, 300) + bytes(12 * 300),
         r"MapSlots: field 'count': 300 slots, more than 253",
     ),
-    (struct.pack("!2sBBIBI", b"AS", 1, 3, 5, 0, 2), r"MapSlots: field 'slots': truncated: 2 slots need"),
-    (struct.pack("!2sBBIBIIQIQ", b"AS", 1, 3, 29, 0, 2, 1, 64, 1, 64), r"MapSlots: field 'slot_ids': a slot is named twice"),
-    (struct.pack("!2sBBIBIIQ", b"AS", 1, 3, 17, 2, 1, 1, 64), r"MapSlots: field 'transient': flag 2"),
+    (struct.pack("!2sBBIBI", b"AS", PROTOCOL_VERSION, 3, 5, 0, 2), r"MapSlots: field 'slots': truncated: 2 slots need"),
+    (struct.pack("!2sBBIBIIQIQ", b"AS", PROTOCOL_VERSION, 3, 29, 0, 2, 1, 64, 1, 64), r"MapSlots: field 'slot_ids': a slot is named twice"),
+    (struct.pack("!2sBBIBIIQ", b"AS", PROTOCOL_VERSION, 3, 17, 2, 1, 1, 64), r"MapSlots: field 'transient': flag 2"),
     (_setup_frame([("w", 1, (3, 4), 0, 11)], 64), r"Setup: field 'layout.specs\[0\].numel': 'w': 11 elements, but shape \(3, 4\) holds 12"),
     (_setup_frame([("w", 1, (3, 4), 32, 12)], 64), r"Setup: field 'layout.specs\[0\].offset': 'w': bytes 32..80 lie outside the 64-byte buffer"),
     (_setup_frame([("w", 1, (3,), 2, 3)], 64), r"Setup: field 'layout.specs\[0\].offset': 'w': offset 2 is not aligned"),
@@ -245,6 +248,35 @@ def test_decode_takes_bytes_only() -> None:
         decode(10**12)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         decode("AS")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- the two directions
+
+CONTROL_PLANE: list[Message] = [Challenge(b"\x00" * 32), Beat(), Group(1, 0, 2, 64), Lost(0, None, "left")]  # no local peer sends these
+
+
+@pytest.mark.parametrize("msg", MESSAGES + CONTROL_PLANE, ids=lambda m: type(m).__name__)
+def test_each_direction_decodes_its_own_messages_and_refuses_the_others_by_name(msg: Message) -> None:
+    frame = encode(msg)
+    for decode_one, kinds, sender in ((decode_to_worker, ToWorker, "a sender"), (decode_from_worker, FromWorker, "a worker")):
+        if isinstance(msg, get_args(kinds)):
+            assert decode_one(frame) == msg
+            assert decode_one(memoryview(frame)) == msg
+        else:
+            with pytest.raises(ProtocolError, match=rf"^{type(msg).__name__}: {sender} never sends this message$"):
+                decode_one(frame)
+
+
+def test_a_message_of_the_other_direction_is_refused_before_its_payload_is_read() -> None:
+    cut = _fix_length(encode(Setup(LAYOUT, None, 1))[:20])  # a Setup cut inside its layout
+    with pytest.raises(ProtocolError, match="^Setup: a worker never sends this message$"):
+        decode_from_worker(cut)
+    with pytest.raises(ProtocolError, match="Setup: field 'layout'"):
+        decode_to_worker(cut)
+    with pytest.raises(ProtocolError, match="frame: field 'magic'"):  # the header is checked first
+        decode_from_worker(b"XY" + cut[2:])
+    with pytest.raises(ProtocolError, match="frame: field 'header': truncated"):
+        decode_from_worker(cut[:5])
 
 
 # ------------------------------------------------------------------------------ fuzzing
@@ -350,13 +382,13 @@ def test_fuzz_oversized_length_fields(msg: Message, pos: int, value: int) -> Non
 def test_fuzz_random_bytes_and_headers(body: bytes, version: int, kind: int) -> None:
     _decode_or_reject(body)
     _decode_or_reject(struct.pack("!2sBBI", b"AS", version, kind, len(body)) + body)
-    _decode_or_reject(struct.pack("!2sBBI", b"AS", 1, kind, len(body)) + body)
-    if version != 1:
+    _decode_or_reject(struct.pack("!2sBBI", b"AS", PROTOCOL_VERSION, kind, len(body)) + body)
+    if version != PROTOCOL_VERSION:
         with pytest.raises(ProtocolError, match="version"):
             decode(struct.pack("!2sBBI", b"AS", version, kind, len(body)) + body)
     if not 1 <= kind <= 17:
         with pytest.raises(ProtocolError, match="unknown message type"):
-            decode(struct.pack("!2sBBI", b"AS", 1, kind, len(body)) + body)
+            decode(struct.pack("!2sBBI", b"AS", PROTOCOL_VERSION, kind, len(body)) + body)
 
 
 @FUZZ

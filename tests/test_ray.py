@@ -11,13 +11,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from asyncsync import MultiProcessWeightSyncScheme, WorkerDiedError
 from asyncsync.ray import start_workers
-from tests._ray_targets import assert_versions_then_the_latest, recording_worker, send_versions_then_a_burst
+from asyncsync.testing import no_leaks
+from tests._ray_targets import assert_exited, assert_versions_then_the_latest, recording_worker, send_versions_then_a_burst
 from tests._targets import fill_, make_model
 
 ray = pytest.importorskip("ray")  # only where CI installed the `ray` extra for this module
@@ -38,17 +38,10 @@ def local_ray() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _no_leaked_children() -> Iterator[None]:
     """Replaces the suite's check: Ray's raylet keeps a pool of worker processes of its own.
-    What is ours, the actors, is checked by :func:`assert_exited` after each group."""
-    yield
-
-
-def assert_exited(pids: dict[int, int]) -> None:
-    for idx, pid in pids.items():
-        try:
-            status = psutil.Process(pid).status()
-        except psutil.NoSuchProcess:
-            continue
-        assert status == psutil.STATUS_ZOMBIE, f"worker {idx}'s actor (pid {pid}) still runs after the group closed"
+    What is ours, the actors, is checked by :func:`assert_exited` after each group; the
+    rest (/dev/shm entries) here."""
+    with no_leaks(processes=False, descriptors=False):
+        yield
 
 
 def _quickstart_worker():  # type: ignore[no-untyped-def]

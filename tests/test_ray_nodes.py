@@ -18,8 +18,9 @@ import pytest
 
 from asyncsync import DistributedWeightSyncScheme, HostLostError, WorkerDiedError
 from asyncsync.ray import RayHostGroup, start_workers
+from asyncsync.testing import no_leaks
 from tests._dist_cluster import free_port
-from tests._ray_targets import assert_versions_then_the_latest, recording_worker, send_versions_then_a_burst
+from tests._ray_targets import assert_exited, assert_versions_then_the_latest, recording_worker, send_versions_then_a_burst
 from tests._targets import fill_, make_model
 
 ray = pytest.importorskip("ray")  # only where CI installed the `ray` extra for this module
@@ -48,8 +49,10 @@ def nodes() -> Iterator[tuple[str, str]]:
 @pytest.fixture(autouse=True)
 def _no_leaked_children() -> Iterator[None]:
     """Replaces the suite's check: the raylets are this process's children. What is ours,
-    the actors and the scheme's sockets, is checked by :func:`assert_released`."""
-    yield
+    the actors and the scheme's sockets and threads, is checked by :func:`assert_released`;
+    /dev/shm entries here."""
+    with no_leaks(processes=False, descriptors=False):
+        yield
 
 
 def trainer_scheme(**options: object) -> DistributedWeightSyncScheme:
@@ -61,33 +64,22 @@ def listening_ports() -> set[int]:
     return {c.laddr.port for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
 
 
-def shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+def ours() -> tuple[set[int], set[threading.Thread]]:
+    """What the trainer's side may leak: listening ports, asyncsync's threads."""
+    return listening_ports(), {t for t in threading.enumerate() if t.name.startswith("asyncsync")}
 
 
-def ours() -> tuple[set[int], set[str], set[threading.Thread]]:
-    """What the trainer's side may leak: listening ports, /dev/shm files, asyncsync's threads."""
-    return listening_ports(), shm(), {t for t in threading.enumerate() if t.name.startswith("asyncsync")}
-
-
-def assert_released(group: RayHostGroup, before: tuple[set[int], set[str], set[threading.Thread]]) -> None:
-    """Every actor process gone (or a zombie its raylet has yet to reap); the trainer's store
-    and control ports closed, no shared-memory file left, and every thread the trainer's
-    scheme started ended (a daemon thread dropping a group may still be finishing: joined,
-    bounded)."""
-    ports, segments, threads = before
+def assert_released(group: RayHostGroup, before: tuple[set[int], set[threading.Thread]]) -> None:
+    """Every actor process exited; the trainer's store and control ports closed, and every
+    thread the trainer's scheme started ended (a daemon thread dropping a group may still
+    be finishing: joined, bounded)."""
+    ports, threads = before
     for t in {t for t in threading.enumerate() if t.name.startswith("asyncsync")} - threads:
         t.join(timeout=60)
         assert not t.is_alive(), f"thread {t.name} still runs after the scheme closed"
-    actors = {f"worker {w}": p for w, p in group.pids.items()} | {f"host {h}'s relay": p for h, p in group.relay_pids.items()}
-    for name, pid in actors.items():
-        try:
-            status = psutil.Process(pid).status()
-        except psutil.NoSuchProcess:
-            continue
-        assert status == psutil.STATUS_ZOMBIE, f"{name}'s actor (pid {pid}) still runs after the group closed"
+    assert_exited(group.pids)
+    assert_exited(group.relay_pids, "host {}'s relay")
     assert listening_ports() <= ports, f"ports still listening: {sorted(listening_ports() - ports)}"
-    assert shm() <= segments, f"left in /dev/shm: {sorted(shm() - segments)}"
 
 
 async def exited(pid: int) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncsync import MultiProcessWeightSyncScheme, Sender, WeightsError, WorkerDiedError
-from asyncsync._wire._protocol import Ack
+from asyncsync._wire._local import Ack
 from asyncsync.testing import LoopbackWorkers, open_loopback
 from tests._targets import fill_, make_model
 

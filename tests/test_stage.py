@@ -23,7 +23,7 @@ from asyncsync._io._shm import Segment
 from asyncsync._io._staging import THREAD_BYTES
 from asyncsync._local._commit import Binding
 from asyncsync._local._stage import SlotStaging
-from asyncsync._wire._protocol import Receive
+from asyncsync._wire._local import Receive
 from asyncsync.testing import no_leaks, open_loopback
 
 WAIT_S = 20.0  # a bound for the gated copy's own wait (the test opens the gate well before)

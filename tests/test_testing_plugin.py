@@ -49,7 +49,7 @@ async def test_a_killed_loopback_worker_is_named_and_can_be_restarted(asyncsync_
         with pytest.raises(WorkerDiedError) as info:
             await scheme.send()
         assert info.value.worker_idx == 1 and "worker 1" in str(info.value)
-        assert scheme.version == 0  # refused before anything was sent
+        assert scheme.version == 1 and info.value.applied_by == (0,)  # the living worker got it
         assert scheme.statistics().worker(1).state == "dead"
         await lb.restart(1)
         v = await scheme.send()

@@ -57,10 +57,14 @@ class Worker:
             self.conn.close()
 
 
-def start(n: int, **options: Any) -> tuple[AsyncSyncScheme, torch.nn.Module, list[Worker]]:
+def start(n: int, params_map: dict[int, Any] | None = None, **options: Any) -> tuple[AsyncSyncScheme, torch.nn.Module, list[Worker]]:
+    """A connected scheme sending *policy* (or each worker its *params_map* entry) to *n* held workers."""
     policy = VersionNet(n=4)
     scheme = AsyncSyncScheme(timeout=REPLY_S, **options)
-    scheme.init_on_sender(model_id="policy", model=policy, num_workers=n, ctx=CTX)
+    if params_map is None:
+        scheme.init_on_sender(model_id="policy", model=policy, num_workers=n, ctx=CTX)
+    else:
+        scheme.init_on_sender(model_id="policy", params_map=params_map, ctx=CTX)
     workers = [Worker(scheme, i) for i in range(n)]
     scheme.connect()  # returns before the workers have applied version 0
     for w in workers:
@@ -82,6 +86,14 @@ def cleanup() -> Iterator[list[Any]]:
 def test_import_asyncsync_does_not_import_torchrl() -> None:
     code = "import sys, asyncsync; assert 'torchrl' not in sys.modules, 'torchrl imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_import_without_torchrl_names_a_pinned_install_that_works() -> None:
+    code = "import sys; sys.modules['torchrl'] = None; import asyncsync.torchrl"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "pip install torch==2.13.0 torchrl==0.14.1 tensordict==0.14.3" in done.stderr
+    assert "tensordict<0.15" in done.stderr
 
 
 def test_pickled_scheme_is_small_and_holds_no_tensor() -> None:
@@ -141,3 +153,67 @@ def test_repointed_model_gets_every_later_version_and_worker_shutdown_affects_on
         scheme.send()
     assert scheme.send(worker_ids=[1]) == 2  # the refused send took no version
     assert workers[1].ask("state")[3:] == (2.0, 2.0)
+
+
+def test_policy_the_worker_calls_gets_each_version_after_its_tensors_are_replaced(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("wrap") == "wrapped"  # it calls the received module itself
+    set_version(policy, 1)
+    scheme.send()
+    assert w.ask("state")[3:] == (1.0, 1.0)
+    for step, cmd in enumerate(["swap_inner", "assign"], start=2):  # then a copy; then new tensors in it
+        w.ask(cmd)
+        set_version(policy, step)
+        assert scheme.send() == step
+        assert w.ask("state")[3:] == (float(step), float(step)), cmd
+
+
+def test_worker_whose_policy_cannot_hold_the_weights_leaves_instead_of_acking_them(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("repoint") == "repointed"
+    assert w.ask("reshape") == "reshaped"
+    set_version(policy, 1)
+    with pytest.raises(WorkerLeftError, match=r"worker 0 .*ps\.0\[3\], which cannot hold the weights it receives ps\.0\[8\]"):
+        scheme.send()
+
+
+def test_repointing_the_policy_inside_a_hold_is_refused_and_commits_go_on(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("repoint_held") == "RuntimeError"
+    set_version(policy, 1)
+    assert scheme.send() == 1
+    assert w.ask("state")[3:] == (1.0, 1.0)
+
+
+def test_per_worker_params_map_gives_each_worker_its_entry_until_a_per_worker_send_replaces_one(cleanup: list[Any]) -> None:
+    from tensordict import TensorDict
+
+    own = [VersionNet(n=4), VersionNet(n=4)]
+    for i, net in enumerate(own):
+        set_version(net, 10 + i)
+    entries = {i: TensorDict.from_module(net) for i, net in enumerate(own)}
+    scheme, _, workers = start(2, params_map=entries, per_worker_weights=True)
+    cleanup += [scheme, *workers]
+    assert [w.ask("state")[3:] for w in workers] == [(10.0, 10.0), (11.0, 11.0)]
+    set_version(own[0], 7)
+    assert scheme.send({1: entries[0]}) == 1  # worker 1 only: worker 0's own entry is left as it is
+    assert [w.ask("state")[3:] for w in workers] == [(10.0, 10.0), (7.0, 7.0)]
+    set_version(own[1], 12)
+    assert scheme.send() == 2  # each worker its own entry again, read now
+    assert [w.ask("state")[3:] for w in workers] == [(7.0, 7.0), (12.0, 12.0)]
+
+
+def test_bound_policy_whose_tensors_are_replaced_gets_each_version(cleanup: list[Any]) -> None:
+    scheme, policy, workers = start(1)
+    cleanup += [scheme, *workers]
+    (w,) = workers
+    assert w.ask("assign") == "assigned"  # the module the receiver was given, re-parameterised
+    set_version(policy, 1)
+    assert scheme.send() == 1
+    assert w.ask("state")[3:] == (1.0, 1.0)

@@ -9,7 +9,10 @@ here once:
 - only a ``connected`` worker's answers count, and only those of its current connection;
 - a worker that is gone (``dead``, ``left``) fails a wait (``on_worker_error="raise"``)
   or is skipped (``"skip"``, not with a quorum); one ``stopped`` by ``aclose`` fails it;
-- a rejection of the wanted version fails it with :class:`WorkerError`;
+- a rejection of the wanted version fails it with :class:`WorkerError`, at once;
+- a worker that is gone fails it only once no other target is still to answer (or at
+  the timeout): the living targets apply the version whenever the other one left, and
+  the error (a copy of the worker's death) says which of them did (``applied_by``);
 - with a quorum, a failure only ends the wait once the quorum can no longer be met.
 
 A departed connection's last applied version, error and timings stay visible (in
@@ -26,10 +29,11 @@ waits wake on the sender's :class:`~.._signal.Signal`, notified at every report.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from .._errors import ClosedError, SyncTimeoutError, WorkerDiedError, WorkerError
+from .._errors import ClosedError, SyncTimeoutError, WorkerDiedError, WorkerError, format_seconds
 from .._options import DEFAULT, UseDefault, checked_timeout
 from .._stats import WorkerStatistics
 from ._signal import Signal
@@ -40,6 +44,38 @@ W = TypeVar("W", bound=Hashable)
 R = TypeVar("R", bound="WorkerRecord")
 
 GONE = ("dead", "left")
+
+
+def _departure(wanted: Sequence[tuple[Any, WorkerRecord, int]], wid: Any, silent_after: float | None = None, expired: bool = False) -> WorkerDiedError:
+    """The death of target *wid* as a wait for *wanted* (``(worker id, record, version)``)
+    reports it: a copy (the record keeps its own, and each wait names its own targets)
+    whose ``applied_by`` lists the targets that applied their version; its message says
+    so, names the other targets that are gone, and (*expired*) those that did not answer
+    within *silent_after* seconds."""
+    death = next(rec.death for w, rec, _v in wanted if w == wid)
+    assert death is not None
+    versions = {v for _w, _rec, v in wanted}
+    version = f"version {versions.pop()}" if len(versions) == 1 else "the newest version sent to them"
+    applied = tuple(w for w, rec, v in wanted if rec.state == "connected" and rec.applied >= v)
+    others = [w for w, rec, _v in wanted if rec.state in GONE and w != wid]
+    silent = [w for w, rec, v in wanted if rec.state not in GONE and not (rec.state == "connected" and rec.applied >= v)]
+    details = []
+    if applied or silent:  # (nothing to say when every target is gone)
+        details.append(f"{_named(applied)} applied {version}" if applied else f"no other target applied {version}")
+    if others:
+        details.append(f"{_named(others)} {'is' if len(others) == 1 else 'are'} gone too")
+    if expired and silent:
+        details.append(f"{_named(silent)} did not answer within {format_seconds(silent_after)}")
+    err = copy.copy(death)
+    err.applied_by = applied
+    err.args = ("; ".join([str(death), *details]),)
+    if death.__cause__ is not None:
+        err.__cause__ = death.__cause__
+    return err
+
+
+def _named(wids: Sequence[Any]) -> str:
+    return ("worker " if len(wids) == 1 else "workers ") + ", ".join(map(str, wids))
 
 
 class WorkerRecord:
@@ -219,40 +255,43 @@ class AckTracker(Generic[W, R]):
         """Each worker's newest applied version (a departed one's last; -1: none)."""
         return {wid: rec.applied for wid, rec in self.records.items()}
 
-    def refuse_gone(self, targets: Iterable[W]) -> None:
-        """Raise the death of the first of *targets* that is gone (``on_worker_error="raise"``)."""
-        for wid in targets:
-            rec = self.records[wid]
-            if rec.state in GONE and rec.death is not None:
-                raise rec.death
-
     @staticmethod
     def missing(wanted: Sequence[tuple[W, R, int]], need: int, quorum: bool, skip_gone: bool) -> int:
         """How many more of *wanted* (``(worker id, record, version)``) must apply their
         version before *need* have (0: settled); raise if that cannot happen. With
         *skip_gone* (``on_worker_error="skip"``), a worker that is gone counts as done,
-        except for a *quorum*."""
+        except for a *quorum*. Without a quorum, a rejection ends the wait at once, a
+        worker that is gone once no other target is still to answer."""
         done = open_ = 0
-        failure: BaseException | None = None
+        refused: BaseException | None = None  # the first rejection or stop
+        gone: W | None = None  # the first target that is gone (not skipped)
+        gone_first = False  # which of the two came first, in target order
         for wid, rec, v in wanted:
             if rec.state == "connected" and rec.applied >= v:
                 done += 1
-            elif rec.state == "connected" and rec.responded >= v:
-                failure = failure or WorkerError(wid, rec.rejected, rec.last_error or "rejected")  # type: ignore[arg-type]
             elif rec.state in GONE:
                 if skip_gone and not quorum:
                     done += 1  # skipped: the living workers are what counts
-                else:
-                    assert rec.death is not None
-                    failure = failure or rec.death
+                elif gone is None:
+                    gone = wid
+                    gone_first = refused is None
+            elif rec.state == "connected" and rec.responded >= v:
+                refused = refused or WorkerError(wid, rec.rejected, rec.last_error or "rejected")  # type: ignore[arg-type]
             elif rec.state == "stopped":
-                failure = failure or ClosedError(f"worker {wid} stopped before applying version {v}")
+                refused = refused or ClosedError(f"worker {wid} stopped before applying version {v}")
             else:
                 open_ += 1
         if done >= need:
             return 0
-        if failure is not None and (not quorum or done + open_ < need):
-            raise failure
+        if quorum:
+            if (refused is not None or gone is not None) and done + open_ < need:
+                raise _departure(wanted, gone) if gone_first else refused  # type: ignore[misc]
+        elif refused is not None:
+            raise refused
+        elif gone is not None:
+            if not open_:
+                raise _departure(wanted, gone)
+            return open_  # the answers that settle it: the gone ones never come
         return need - done
 
     async def wait(
@@ -289,7 +328,7 @@ class AckTracker(Generic[W, R]):
                 wanted.append((wid, rec, v))
         need = len(wanted) if quorum is None else quorum
         if need > len(wanted):
-            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted workers were sent version {version}")
+            raise ValueError(f"quorum={quorum} but only {len(wanted)} targeted worker{' was' if len(wanted) == 1 else 's were'} sent version {version}")
         has_quorum = quorum is not None
         left = self.missing(wanted, need, has_quorum, skip_gone)
         if not left:
@@ -319,9 +358,13 @@ class AckTracker(Generic[W, R]):
             self._watches.remove(watch)
             if timer is not None:
                 timer.cancel()
+        reported = timeout if isinstance(reported_timeout, UseDefault) else reported_timeout
+        if not has_quorum and not skip_gone:
+            gone = next((wid for wid, rec, _v in wanted if rec.state in GONE), None)
+            if gone is not None:  # what the user must act on: the departure, naming the silent ones
+                raise _departure(wanted, gone, silent_after=reported, expired=True)
         pending = {wid: rec.applied for wid, rec, v in wanted if not self._counts(wid, v)}
         what = what or ("wait_async" if version is None else f"wait for version {version}")
-        reported = timeout if isinstance(reported_timeout, UseDefault) else reported_timeout
         silent = list(pending)
         raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(silent), hint=self._hint(silent))  # type: ignore[arg-type]
 

@@ -2,7 +2,7 @@
 
 :func:`flatten_parameters` moves a module's parameters and persistent buffers into one
 contiguous buffer per ``(dtype, device)``, in ``state_dict`` order, so that they are
-consecutive views of one storage. The sender then notices (:class:`SpanCopier`) that a
+consecutive views of one storage (each with its own strides). The sender then notices (:class:`SpanCopier`) that a
 run of the wire layout is one contiguous span of the source and copies it in one
 ``copy_`` instead of one per tensor; from then on the source's check at each send also
 proves that memory (:meth:`KnownSource.track_memory <._strategy.KnownSource.track_memory>`).
@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ._layout import Layout
 from ._strategy import KnownSource
@@ -33,8 +34,12 @@ def flatten_parameters(model: nn.Module) -> nn.Module:
     Every parameter keeps its ``nn.Parameter`` object and its ``requires_grad``; only its
     ``.data`` becomes a view into the flat buffer (so an optimizer built before or after
     keeps updating the model). ``state_dict()`` keeps its keys and values. Buffers are
-    re-registered as views under the same names. Tied tensors stay tied. A send of the
-    flattened model copies each flat buffer in one go. Returns *model*.
+    re-registered as views under the same names. Tied tensors stay tied. Each tensor keeps
+    its strides (a ``channels_last`` convolution weight, a weight stored transposed): its
+    memory in the flat buffer is laid out in its own order. A send of the flattened model
+    copies each flat buffer in one go (a tensor that is not row-major, on its own). Returns
+    *model*. A lazy module (``nn.LazyLinear``) must run one forward pass first: a parameter
+    that has no shape yet raises :class:`ValueError` naming it.
 
     Replacing a parameter later (``p.data = other`` or a new ``nn.Parameter``) is allowed:
     that tensor is then copied on its own, the rest still in spans.
@@ -51,10 +56,17 @@ def flatten_parameters(model: nn.Module) -> nn.Module:
     """
     from ._strategy import named_tensors
 
+    named = named_tensors(model)
+    for name, t in named.items():
+        if is_lazy(t):
+            raise ValueError(
+                f"flatten_parameters: {name!r} is not initialised yet (a lazy module such as nn.LazyLinear): "
+                "run one forward pass to give it its shape, then flatten"
+            )
     global _generation
     _generation += 1
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in named_tensors(model).values():
+    for t in named.values():
         if t.layout != torch.strided or t.is_meta:
             continue
         groups.setdefault((t.dtype, t.device), []).append(t)
@@ -68,16 +80,22 @@ def flatten_parameters(model: nn.Module) -> nn.Module:
             flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
             offset = 0
             for t in tensors:
-                n = t.numel()
-                view = flat[offset : offset + n].view(t.shape)
+                view = flat.as_strided(t.shape, _dense_strides(t), offset)
                 view.copy_(t)
-                offset += n
+                offset += t.numel()
                 if isinstance(t, nn.Parameter):
                     t.data = view
                 else:  # a buffer: register the view under every name that held it
                     for mod, name in owners.get(id(t), ()):
                         mod._buffers[name] = view
     return model
+
+
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """*t*'s strides if it is dense (channels_last, transposed: a permutation of a
+    contiguous layout), else the row-major ones: a view with them spans ``t.numel()``
+    elements."""
+    return torch.empty_like(t, device="meta").stride()
 
 
 def contiguous_runs(layout: Layout, src: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.dtype, torch.Tensor]] | None:

@@ -191,7 +191,7 @@ class SenderCore(Generic[W, R]):
             await self.send_async(weights, timeout=deadline)
         await self._wait(0, None, None, deadline.remaining(), "connect", reported_timeout=deadline.timeout)
         n = len(self._acks.records)
-        logger.info("asyncsync: connected: %d/%d workers at version 0 in %.1f s", n, n, time.monotonic() - t0)
+        logger.info("asyncsync: connected: %d/%d worker%s at version 0 in %.1f s", n, n, "" if n == 1 else "s", time.monotonic() - t0)
         return 0
 
     async def _send(self, weights: Any, worker_ids: Any, partial: bool, timeout: Timeout) -> int:
@@ -202,12 +202,6 @@ class SenderCore(Generic[W, R]):
         if self.sync:
             await self._wait(version, targets, None, deadline, f"send of version {version}", reported_timeout=deadline.timeout)
         return version
-
-    def _before_send(self, targets: Sequence[W]) -> None:
-        """Refuse a send before anything is copied: not running, or a target gone (``"raise"``)."""
-        self._check_running()
-        if self.on_worker_error == "raise":
-            self._acks.refuse_gone(targets)
 
     async def _send_turn(self, deadline: Deadline) -> None:
         """One send at a time: take the send lock before *deadline* (release it in a

@@ -17,6 +17,11 @@ A worker's roles on slots, one connection (a :class:`Link`) at a time:
   as the base of a partial update). It belongs to the worker id, not the connection.
 - ``in flight``: the one ``Receive`` outstanding on the channel (at most one per worker).
   When its answer arrives, the worker gets its ``latest`` if that is newer (latest wins).
+  A polled worker's is the version in its mailbox, which a send replaces by the newest
+  (:meth:`SlotLedger.replace`).
+- ``maybe``: polled workers only: a version replaced in the mailbox while the worker may
+  have been taking it (its claim named it). Held until the worker's next answer of that
+  version or a newer one, which says what it holds; at most one per connection.
 - ``staged``: manual commit: the version waits for ``commit()`` in that slot.
 - ``live``: the worker's parameters view the slot (CPU, ``commit="swap"``).
 
@@ -25,8 +30,9 @@ may still view what it held, so those slots stay owned for good (at most k more 
 such connection).
 
 Invariants: a slot being written has no owner; every owned slot holds exactly the version
-its owners name; a link has at most one version in flight; versions only go up; the pool
-never holds more slots than :func:`slot_bound`.
+its owners name; a link has at most one version in flight, and a ``maybe`` only beside an
+in-flight version newer than it; versions only go up; the pool never holds more slots than
+:func:`slot_bound`.
 
 Receiver side (a :class:`BufferRoles`): every set of weights is exactly one of ``live``
 (the model's parameters are these tensors), ``pending`` (staged, manual commit) or
@@ -71,15 +77,16 @@ class InvariantError(AssertionError):
     """An ownership invariant does not hold: a bug in asyncsync."""
 
 
-def slot_bound(workers: int, manual: bool, latest: int, writing: int) -> int:
+def slot_bound(workers: int, manual: bool, latest: int, writing: int, polled: int = 0) -> int:
     """Most slots that can be owned at once.
 
-    ``k·W + L + G + 1``: each of *workers* (W) holds at most k slots of its own (in flight
-    and live, plus staged with manual commit: k = 2 or 3), *latest* (L) distinct newest
-    versions, *writing* (G) slots written by the current send, plus one slot whose copy
-    was cancelled but whose copy thread is still finishing.
+    ``k·W + P + L + G + 1``: each of *workers* (W) holds at most k slots of its own (in
+    flight and live, plus staged with manual commit: k = 2 or 3), each of the *polled* (P)
+    among them one more (``maybe``), *latest* (L) distinct newest versions, *writing* (G)
+    slots written by the current send, plus one slot whose copy was cancelled but whose
+    copy thread is still finishing.
     """
-    return (3 if manual else 2) * workers + latest + writing + 1
+    return (3 if manual else 2) * workers + polled + latest + writing + 1
 
 
 # ---------------------------------------------------------------------------------- sender
@@ -100,12 +107,17 @@ class Link:
     in_flight: Ref | None = None
     staged: Ref | None = None
     live: Ref | None = None
+    maybe: Ref | None = None  # polled: replaced in the mailbox while perhaps being taken
     delivered: int = -1  # newest version handed to this connection
+    polled: bool = False  # versions go to a mailbox, where a newer one may replace them
 
     def refs(self) -> Iterator[Ref]:
-        for r in (self.in_flight, self.staged, self.live):
+        for r in (self.in_flight, self.staged, self.live, self.maybe):
             if r is not None:
                 yield r
+
+
+_ROLES = ("in_flight", "staged", "live", "maybe")
 
 
 @dataclass
@@ -138,7 +150,7 @@ class SlotLedger:
         """Slots some worker holds in some role."""
         out = {r.slot for r in self.latest.values()}
         for link in (*self.links.values(), *self.retired):  # (every send's slot search: no generator per link)
-            for r in (link.in_flight, link.staged, link.live):
+            for r in (link.in_flight, link.staged, link.live, link.maybe):
                 if r is not None:
                     out.add(r.slot)
         out.discard(None)
@@ -156,7 +168,7 @@ class SlotLedger:
         """Who holds *slot_id*, as ``"worker 1 live"`` strings (for errors and debugging)."""
         out = [f"worker {w} latest" for w, r in self.latest.items() if r.slot == slot_id]
         for w, link in self.links.items():
-            for role in ("in_flight", "staged", "live"):
+            for role in _ROLES:
                 r = getattr(link, role)
                 if r is not None and r.slot == slot_id:
                     out.append(f"worker {w} {role.replace('_', ' ')}")
@@ -209,6 +221,10 @@ class SlotLedger:
             self.retired.append(link)
         self.check()
 
+    def poll(self, worker: int) -> None:
+        """The worker's connection polls: its versions go to a mailbox (one ``maybe`` more)."""
+        self.links[worker].polled = True
+
     def next_delivery(self, worker: int) -> Ref | None:
         """The ``Receive`` to send now, if nothing is in flight and a newer version waits."""
         link = self.links.get(worker)
@@ -220,6 +236,29 @@ class SlotLedger:
         if _debug:
             self.check()
         return latest
+
+    def replace(self, worker: int, claimed: bool, still_claimed: bool) -> bool:
+        """A polled worker's mailbox now holds its ``latest`` in place of its version in flight
+        (the send wrote it there, then read the worker's claim; it takes the worker's ack
+        words next: an answer written before that claim says what the worker holds).
+
+        *claimed*: the claim named the replaced version, which the worker may be applying:
+        it becomes ``maybe`` (True is returned); else the worker never takes it: let go.
+        *still_claimed*: the claim named the current ``maybe``, which stays; else the worker
+        is past it (any answer it gave for it was taken first): let go.
+        """
+        link = self.links[worker]
+        latest = self.latest[worker]
+        old = link.in_flight
+        if _debug and (not link.polled or latest.version <= link.delivered):
+            raise InvariantError(f"worker {worker}: version {latest.version} replaces version {link.delivered} in a mailbox")
+        became = old is not None and claimed
+        link.maybe = old if became else link.maybe if still_claimed else None
+        link.in_flight = latest
+        link.delivered = latest.version
+        if _debug:
+            self.check()
+        return became
 
     def on_staged(self, worker: int, version: int, holds: int | None) -> None:
         """Manual commit: *version* is staged (in slot *holds*, or in the worker's memory)."""
@@ -236,6 +275,8 @@ class SlotLedger:
         sent = link.in_flight
         if sent is not None and sent.version <= version:
             link.in_flight = None
+        if link.maybe is not None and link.maybe.version <= version:
+            link.maybe = None  # the worker is past it: what it holds is in this answer
         if ok:
             if link.staged is not None and link.staged.version <= version:
                 link.staged = None
@@ -270,6 +311,9 @@ class SlotLedger:
             latest = self.latest.get(w)
             if link.in_flight is not None and (latest is None or link.in_flight.version > latest.version):
                 raise InvariantError(f"worker {w} has version {link.in_flight.version} in flight, newer than its latest")
+            maybe = link.maybe
+            if maybe is not None and (not link.polled or link.in_flight is None or maybe.version >= link.in_flight.version):
+                raise InvariantError(f"worker {w} may hold version {maybe.version} beside {link.in_flight} in flight (polled: {link.polled})")
             for r in link.refs():
                 if r.version > link.delivered:
                     raise InvariantError(f"worker {w} holds version {r.version}, never delivered (delivered {link.delivered})")
@@ -279,6 +323,7 @@ class SlotLedger:
                 self.manual,
                 len({r.slot for r in self.latest.values()}),
                 sum(st.writing for st in self.slots.values()) + adding,
+                sum(link.polled for link in self.links.values()),
             ) + sum(r.slot is not None for link in self.retired for r in link.refs())
             if pool_size > max(bound, floor):
                 raise InvariantError(f"{pool_size} slots allocated, above the bound {bound}")
@@ -287,7 +332,7 @@ class SlotLedger:
         for w, r in self.latest.items():
             yield f"worker {w} (latest)", r
         for w, link in self.links.items():
-            for role in ("in_flight", "staged", "live"):
+            for role in _ROLES:
                 r = getattr(link, role)
                 if r is not None:
                     yield f"worker {w} ({role.replace('_', ' ')})", r

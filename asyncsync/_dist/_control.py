@@ -1,7 +1,7 @@
 """The multi-host control plane: the binary protocol over an authenticated asyncio TCP stream.
 
 One connection per remote host, trainer (server) <-> relay (client). Frames are exactly
-those of :mod:`._protocol` (``!2sBBI`` header, then the payload); a reader takes the
+those of :mod:`.._wire._control` (``!2sBBI`` header, then the payload); a reader takes the
 8-byte header, checks magic, version, type and a size limit *before* reading the payload,
 then decodes. Nothing a peer sends is unpickled. Before authentication the limit is the
 size of the handshake frames, so a stranger cannot make us allocate anything.
@@ -23,11 +23,12 @@ import select
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from .._errors import BrokenChannelError, ProtocolError, format_seconds
 from .._wire._auth import HANDSHAKE_LIMIT, auth_mac, mac, new_nonce, resolve_token, welcome_mac
-from .._wire._protocol import HEADER_BYTES, Beat, Message, decode, encode, payload_length
+from .._wire._control import HEADER_BYTES, Beat, ControlMessage, encode, payload_length
 
 __all__ = ["HANDSHAKE_LIMIT", "ControlStream", "auth_mac", "mac", "new_nonce", "resolve_token", "welcome_mac"]
 
@@ -36,9 +37,12 @@ logger = logging.getLogger("asyncsync")
 # After authentication: a Setup frame of a very large layout.
 FRAME_LIMIT = 256 << 20
 
+Received = TypeVar("Received")
 
-class ControlStream:
-    """Protocol frames over one TCP connection; ``peer`` names the other end in errors.
+
+class ControlStream(Generic[Received]):
+    """Protocol frames over one TCP connection; ``peer`` names the other end in errors, and
+    ``decode`` reads what it sends (this end's plane direction: any other message is refused).
 
     ``send`` never blocks: when nothing is queued it writes the frame at once, with one
     non-blocking write from the caller's thread (the usual case: a control frame is a few
@@ -49,8 +53,11 @@ class ControlStream:
     Reading stays on the loop. The thread ends when the stream is closed.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, peer: str) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, peer: str, decode: Callable[[bytes], Received]
+    ) -> None:
         self.reader = reader
+        self._decode = decode
         self.writer = writer
         self.peer = peer
         self.limit = HANDSHAKE_LIMIT
@@ -82,7 +89,7 @@ class ControlStream:
 
     # ------------------------------------------------------------------ reading (on the loop)
 
-    async def recv(self, timeout: float | None = None) -> Message:
+    async def recv(self, timeout: float | None = None) -> Received:
         """The next message. Raises :class:`ProtocolError` (naming the peer) for a malformed
         frame, :class:`BrokenChannelError` for EOF, a reset, or *timeout* seconds of silence.
 
@@ -113,7 +120,7 @@ class ControlStream:
         except OSError as exc:
             raise BrokenChannelError(f"{self.peer}: {exc}") from None
         try:
-            return decode(header + payload)
+            return self._decode(header + payload)
         except ProtocolError as exc:
             raise ProtocolError(f"{self.peer}: {exc}") from None
 
@@ -137,7 +144,7 @@ class ControlStream:
 
     # ------------------------------------------------------------------ writing (at once, or by the thread)
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: ControlMessage) -> None:
         """Write *msg*, or queue what the socket does not take at once (never blocks); a
         closed stream raises :class:`BrokenChannelError`."""
         data = encode(msg)

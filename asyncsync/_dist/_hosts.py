@@ -22,7 +22,7 @@ from .._core._acks import GONE, AckTracker, WorkerRecord
 from .._core._layout import Layout
 from .._core._signal import Signal
 from .._errors import AuthenticationError, BrokenChannelError, HostLostError, ProtocolError, WorkerDiedError, WorkerLeftError
-from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Lost, Setup, Welcome
+from .._wire._control import Ack, Auth, Beat, Bye, Challenge, FromRelay, Lost, Setup, Welcome, assert_never, decode_from_relay
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Host:
         self.idx = idx
         self.num_workers = num_workers
         self.state = "waiting"  # waiting | connected | dead | left | stopped
-        self.stream: ControlStream | None = None
+        self.stream: ControlStream[FromRelay] | None = None
         self.pid: int | None = None
         self.peer: str | None = None
         self.connections = 0
@@ -101,7 +101,7 @@ class HostTable:
         self.silence_timeout = silence_timeout
         self.regroup = True  # the connected hosts changed since the group last formed
         self._server: asyncio.Server | None = None
-        self._streams: set[ControlStream] = set()  # every control connection not yet closed
+        self._streams: set[ControlStream[FromRelay]] = set()  # every control connection not yet closed
 
     @staticmethod
     def make(hosts: dict[int, int]) -> dict[int, Host]:
@@ -117,7 +117,7 @@ class HostTable:
     def connected(self) -> list[int]:
         return [h.idx for h in self.hosts.values() if h.state == "connected"]
 
-    def connected_streams(self) -> list[ControlStream]:
+    def connected_streams(self) -> list[ControlStream[FromRelay]]:
         return [h.stream for h in self.hosts.values() if h.state == "connected" and h.stream is not None]
 
     async def listen(self, bind: str, port: int) -> int:
@@ -149,7 +149,7 @@ class HostTable:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         addr = writer.get_extra_info("peername")
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-        stream = ControlStream(reader, writer, f"relay at {peer}")
+        stream = ControlStream(reader, writer, f"relay at {peer}", decode_from_relay)
         self._streams.add(stream)
         try:
             host = await asyncio.wait_for(self._handshake(stream), 10.0)
@@ -203,10 +203,10 @@ class HostTable:
         h.tasks.append(loop.create_task(self._read_loop(h, stream)))
         stream.start_heartbeat(self.heartbeat)
         self.regroup = True
-        logger.info("asyncsync: host %d joined from %s (relay pid %d, %d workers)", h.idx, peer, host.pid, h.num_workers)
+        logger.info("asyncsync: host %d joined from %s (relay pid %d, %d worker%s)", h.idx, peer, host.pid, h.num_workers, "" if h.num_workers == 1 else "s")
         self.changed.notify()
 
-    async def _handshake(self, stream: ControlStream) -> Auth:
+    async def _handshake(self, stream: ControlStream[FromRelay]) -> Auth:
         nonce = new_nonce()
         stream.send(Challenge(nonce))
         msg = await stream.recv()
@@ -221,7 +221,7 @@ class HostTable:
         if msg.host not in self.hosts:
             reason = f"host {msg.host} is not one of the trainer's hosts {sorted(self.hosts)}"
         elif msg.num_workers != self.hosts[msg.host].num_workers:
-            reason = f"host {msg.host} has {msg.num_workers} workers (num_workers), the trainer expects {self.hosts[msg.host].num_workers}"
+            reason = f"host {msg.host} has {msg.num_workers} worker{'' if msg.num_workers == 1 else 's'} (num_workers), the trainer expects {self.hosts[msg.host].num_workers}"
         if reason is not None:
             try:
                 stream.send(Bye(msg.host, -1, reason))
@@ -231,7 +231,7 @@ class HostTable:
             raise ValueError(f"refused {stream.peer}: {reason}")
         return msg
 
-    async def _refusal(self, stream: ControlStream) -> str | None:
+    async def _refusal(self, stream: ControlStream[FromRelay]) -> str | None:
         """Send the wire layout; the relay checks it against its model and answers ``Beat``
         (it fits: None) or ``Bye`` (why not). Only a relay that accepted is admitted, so no
         group forms with one that is about to leave."""
@@ -249,7 +249,7 @@ class HostTable:
             return f"its relay answered the weights' layout with {type(answer).__name__}"
         return None
 
-    async def _read_loop(self, h: Host, stream: ControlStream) -> None:
+    async def _read_loop(self, h: Host, stream: ControlStream[FromRelay]) -> None:
         try:
             while True:
                 msg = await stream.recv(timeout=self.silence_timeout)
@@ -264,8 +264,10 @@ class HostTable:
                     return
                 elif isinstance(msg, Beat):
                     pass
+                elif isinstance(msg, Auth):
+                    raise ProtocolError(f"{stream.peer}: Auth after the handshake")
                 else:
-                    raise ProtocolError(f"{stream.peer}: {type(msg).__name__} is not something a relay sends")
+                    assert_never(msg)
         except ProtocolError as exc:
             logger.warning("asyncsync: closing the control connection of host %d: %s", h.idx, exc)
             if h.stream is stream:

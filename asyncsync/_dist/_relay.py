@@ -49,7 +49,22 @@ from .._errors import (
 from .._local._publisher import Reservation
 from .._local._sender import Sender
 from .._options import DEFAULT, Timeout, resolve_timeout
-from .._wire._protocol import Ack, Auth, Beat, Bye, Challenge, Group, Lost, Setup, Stop, Transfer, Welcome
+from .._wire._control import (
+    Ack,
+    Auth,
+    Beat,
+    Bye,
+    Challenge,
+    Group,
+    Lost,
+    Setup,
+    Stop,
+    ToRelay,
+    Transfer,
+    Welcome,
+    assert_never,
+    decode_to_relay,
+)
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
 from ._dataplane import SyncGroup
 
@@ -88,7 +103,7 @@ class Relay:
         self.backend = backend
         self._hostname = hostname
         self.device = device  # the wire's device (NCCL): transfers land through it
-        self._stream: ControlStream | None = None
+        self._stream: ControlStream[ToRelay] | None = None
         self._group: SyncGroup | None = None
         self._ops: asyncio.Queue[Group | Transfer | None] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -165,7 +180,7 @@ class Relay:
             raise SyncTimeoutError(f"host {self.host} connecting to the {self.trainer}", {}, limit) from None
         except OSError as exc:
             raise BrokenChannelError(f"host {self.host}: cannot reach the {self.trainer}: {exc}") from None
-        stream = ControlStream(reader, writer, self.trainer)
+        stream = ControlStream(reader, writer, self.trainer, decode_to_relay)
         try:
             await asyncio.wait_for(self._handshake(stream), _remaining(deadline))
             if self._state == "closed":
@@ -184,7 +199,7 @@ class Relay:
             loop.create_task(self._run_ops(), name=f"asyncsync-relay-{self.host}-ops"),
         ]
 
-    async def _handshake(self, stream: ControlStream) -> None:
+    async def _handshake(self, stream: ControlStream[ToRelay]) -> None:
         try:
             challenge = await stream.recv()
             if not isinstance(challenge, Challenge):
@@ -220,7 +235,7 @@ class Relay:
             raise error
         stream.send(Beat())  # the layout fits: the trainer admits this host
 
-    async def _read_loop(self, stream: ControlStream) -> None:
+    async def _read_loop(self, stream: ControlStream[ToRelay]) -> None:
         try:
             while True:
                 msg = await stream.recv(timeout=self.silence_timeout)
@@ -240,8 +255,10 @@ class Relay:
                     return
                 elif isinstance(msg, Beat):
                     pass
+                elif isinstance(msg, (Challenge, Welcome, Setup)):
+                    raise ProtocolError(f"{stream.peer}: {type(msg).__name__} after the handshake")
                 else:
-                    raise ProtocolError(f"{stream.peer}: {type(msg).__name__} is not something a trainer sends")
+                    assert_never(msg)
         except BrokenChannelError as exc:  # ProtocolError included
             if isinstance(exc, ProtocolError):
                 logger.warning("asyncsync: host %d: closing the control connection: %s", self.host, exc)

@@ -30,7 +30,7 @@ from .._core._layout import Layout
 from .._errors import ClosedError, SyncTimeoutError, WeightsError
 from .._options import DEFAULT, Timeout, checked_timeout
 from .._stats import DistributedStatistics, HostStatistics
-from .._wire._protocol import Stop
+from .._wire._control import Stop
 from ._dataplane import DEFAULT_CHUNK_BYTES, SyncGroup
 from ._hosts import Host, HostTable, RemoteWorker, WorkerId
 from ._transfer import Snapshot, Transfers
@@ -120,16 +120,21 @@ class DistSender(SenderCore[WorkerId, RemoteWorker]):
 
     async def send(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> int:
         """Snapshot *weights*; with ``sync`` wait until every targeted worker applied them
-        (*timeout* bounds the whole call)."""
+        (*timeout* bounds the whole call). A target that is gone (left, died, its host
+        lost) keeps no other target from the version: the wait raises its error
+        (:class:`HostLostError` for a lost host) once every other target answered;
+        ``applied_by`` names those that applied it."""
         return await self._send(weights, worker_ids, partial, timeout)
 
     async def send_async(self, weights: Any = None, worker_ids: Any = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> int:
         """Snapshot *weights* into a wire buffer and hand it to the transfer task.
 
-        Never waits for a host; *timeout* bounds the wait for another send's snapshot.
+        Never waits for a host; *timeout* bounds the wait for another send's snapshot. A
+        target that is gone is sent the version too (a host that connects again gets it
+        first): the call does not raise for it; :meth:`wait_async` does.
         """
         targets = self._targets(worker_ids)
-        self._before_send(targets)
+        self._check_running()
         flat = self._flat(weights, partial)
         async with self._sending(timeout):
             self._check_running()

@@ -28,7 +28,7 @@ from .._core._layout import Layout
 from .._core._offload import THREAD_COPY_BYTES, Offload
 from .._errors import BrokenChannelError
 from .._io._staging import copy_tensors, stream_done
-from .._wire._protocol import Group, Transfer
+from .._wire._control import Group, Transfer
 from ._dataplane import SyncGroup
 from ._hosts import Host, HostTable, RemoteWorker, WorkerId
 

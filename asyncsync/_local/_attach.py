@@ -1,6 +1,8 @@
 """Workers that attach by address: any process on the host joins as worker *k*.
 
-The trainer listens on a Unix socket (a path, or ``@name`` for a Linux abstract socket).
+The trainer listens on a Unix socket: by default a Linux abstract socket (``@name``:
+nothing on disk, gone with the process however it ends), elsewhere a socket file in a
+private directory; or a path the user gives.
 A joining process proves it knows the shared token with the control plane's challenge
 (:func:`~.._wire._auth.new_nonce`, :func:`~.._wire._auth.mac`,
 :func:`~.._wire._auth.welcome_mac`): the trainer sends a ``Challenge``, the worker
@@ -16,7 +18,7 @@ socket is handed to the sender's link or to the receiver.
 Example::
 
     address = await scheme.listen()            # trainer
-    env = address.env()                        # {"ASYNCSYNC_ADDRESS": "unix:/tmp/...?token=..."}
+    env = address.env()                        # {"ASYNCSYNC_ADDRESS": "unix:@asyncsync-...?token=..."}
 
     scheme = MultiProcessWeightSyncScheme.attach(address_string, worker_idx=1)  # elsewhere
 """
@@ -34,6 +36,7 @@ import shutil
 import socket
 import stat
 import struct
+import sys
 import tempfile
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
@@ -45,7 +48,7 @@ import anyio
 from .._core._deadline import Deadline
 from .._errors import AuthenticationError, ProtocolError, SyncTimeoutError
 from .._wire._auth import HANDSHAKE_LIMIT, mac, new_nonce, resolve_token, welcome_mac
-from .._wire._protocol import HEADER_BYTES, Auth, Bye, Challenge, Welcome, decode, encode
+from .._wire._control import HEADER_BYTES, Auth, Bye, Challenge, Welcome, decode_handshake, encode
 
 if TYPE_CHECKING:
     from ._sender import Sender
@@ -60,6 +63,9 @@ _HANDSHAKE_TIMEOUT = 10.0  # how long an accepted connection may take to authent
 _VERDICT_LIMIT = 4096  # a refusal's reason, read before the trainer proved itself
 _RETRY_S = 0.05  # between two connection attempts while the trainer is not listening yet
 _LEN = struct.Struct("!i")
+#: Linux has abstract socket names ("@name"): the default address, nothing left on disk after a crash.
+ABSTRACT_SOCKETS = sys.platform.startswith("linux")
+_SUN_PATH = 107  # bytes in a socket's address (sun_path, less a terminating NUL)
 
 # Bye.version of a refusal: why the trainer refused (the reason says it in words).
 _REFUSED_TOKEN = -1
@@ -71,8 +77,8 @@ _REFUSED_TAKEN = -3
 class WorkerAddress:
     """Where and how a worker attaches to a listening trainer.
 
-    *path* is a Unix socket path, or ``"@name"`` for a Linux abstract socket (it vanishes
-    with the trainer's process: nothing to clean up after a crash). *token* is the shared
+    *path* is an absolute Unix socket path, or ``"@name"`` for a Linux abstract socket (it
+    vanishes with the trainer's process: nothing to clean up after a crash). *token* is the shared
     secret; the other fields are the trainer's scheme options a worker must agree on.
     ``str()`` gives a one-line form (it holds the token: hand it over like a password)
     that :meth:`from_string` reads back; :meth:`env` gives it as ``ASYNCSYNC_ADDRESS``.
@@ -81,8 +87,8 @@ class WorkerAddress:
 
         scheme = MultiProcessWeightSyncScheme(timeout=10)
         scheme.init_on_sender(model=make_policy(), num_workers=1)
-        address = await scheme.listen()            # a Unix socket in a private directory
-        text = str(address)                        # unix:/tmp/asyncsync-.../trainer.sock?token=...
+        address = await scheme.listen()            # Linux: an abstract socket, no file
+        text = str(address)                        # unix:@asyncsync-...?token=...
         assert WorkerAddress.from_string(text) == address
         # Any process on this host joins with the text alone (here: this one).
         worker = MultiProcessWeightSyncScheme.attach(text, worker_idx=0)
@@ -90,7 +96,7 @@ class WorkerAddress:
         await asyncio.gather(scheme.connect(), worker.connect())
         print(await scheme.send(), worker.version)  # 1 1
         await worker.aclose()
-        await scheme.aclose()                      # removes the socket file
+        await scheme.aclose()                      # stops listening
     """
 
     path: str
@@ -179,7 +185,7 @@ async def _recv_message(loop: asyncio.AbstractEventLoop, sock: socket.socket, li
     (size,) = _LEN.unpack(await _recv_exactly(loop, sock, _LEN.size))
     if size < HEADER_BYTES or size > HEADER_BYTES + limit:
         raise ProtocolError(f"a handshake frame of {size} bytes (at most {HEADER_BYTES + limit})")
-    return decode(await _recv_exactly(loop, sock, size))
+    return decode_handshake(await _recv_exactly(loop, sock, size))
 
 
 def _to_connection(sock: socket.socket) -> Connection:
@@ -219,9 +225,13 @@ class Listener:
         except UnicodeDecodeError:
             raise ValueError("the token must be valid UTF-8 to travel in a worker address") from None
         own_dir = None
-        if path is None:
+        if path is None and ABSTRACT_SOCKETS:
+            path = "@asyncsync-" + secrets.token_hex(8)  # nothing on disk: it ends with this process
+        elif path is None:
             own_dir = tempfile.mkdtemp(prefix="asyncsync-")  # mode 0700: only this user reaches it
             path = os.path.join(own_dir, "trainer.sock")
+        else:
+            path = _checked_path(path)
         address = WorkerAddress(path, text_token, **options)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -304,6 +314,25 @@ class Listener:
                 os.unlink(self.address.path)
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+def _checked_path(path: str | os.PathLike[str]) -> str:
+    """*path* made absolute (an ``@name`` as it is), refused by name when it cannot be bound."""
+    path = os.fspath(path)
+    if not isinstance(path, str) or not path or path == "@":
+        raise ValueError(f"listen(path=...): a socket path or '@name' is needed, got {path!r}")
+    if path.startswith("@"):
+        if not ABSTRACT_SOCKETS:
+            raise ValueError(f"listen(path={path!r}): abstract socket names ('@name') exist on Linux only; give a file path")
+    else:
+        path = os.path.abspath(path)  # the address must mean the same file to a worker in another directory
+    size = len(os.fsencode(path))
+    if size > _SUN_PATH:
+        raise ValueError(
+            f"listen(path=...): the socket path {path!r} is {size} bytes, a Unix socket's address holds at most "
+            f"{_SUN_PATH}: choose a shorter path" + (" or an abstract '@name'" if ABSTRACT_SOCKETS else "")
+        )
+    return path
 
 
 def _remove_stale(path: str) -> None:

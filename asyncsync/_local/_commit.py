@@ -1,5 +1,6 @@
 """The one commit path of a receiver: binding the model, swap or copy, the untouched
-check, the callbacks.
+check, the callbacks; and noticing that the model's tensors were replaced since they were
+bound (:class:`ModelWatch`), to bind the new ones before a commit (:func:`rebind_model`).
 
 Both the receiver task and :meth:`Receiver.poll_nowait` commit through
 :meth:`Committer.commit`, which never awaits: a forward pass that does not await in the
@@ -15,7 +16,8 @@ import logging
 import operator
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Literal
 
 import torch
@@ -28,7 +30,7 @@ from .._io._shm import Segment
 from .._io._staging import copy_tensors, device_problem
 from ._bucket import SlotBucket
 
-__all__ = ["Binding", "Commit", "Committer", "OnUpdate", "bind_model", "copy_problems"]
+__all__ = ["Binding", "Commit", "Committer", "ModelWatch", "OnUpdate", "bind_model", "copy_problems", "rebind_model"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -71,6 +73,7 @@ class Committer:
         self.inference = inference
         self.bucket = bucket
         self.segments = segments if segments is not None else {}
+        self._slot_versions = []  # (counters of other tensors: no in-place write to report)
 
     def commit(self, roles: BufferRoles, staged: Weights) -> str | None:
         """Make *staged* what the model runs; return None, or why it could not (the model
@@ -226,6 +229,11 @@ class Binding:
     inference: bool  # the model holds inference tensors (built under inference_mode)
     reads_slot: bool  # commit straight from a shared slot (no staging)
     recyclable: bool  # private staging sets may be kept for reuse
+    placed: dict[str, tuple[torch.dtype, torch.device]] = field(default_factory=dict)  # each target's dtype and device when bound
+
+    def __post_init__(self) -> None:
+        if not self.placed:
+            self.placed.update({k: (t.dtype, t.device) for k, t in self.targets.items()})
 
 
 def bind_model(model: nn.Module, layout: Layout, device: torch.device | None, kind: Commit) -> Binding | str:
@@ -270,6 +278,85 @@ def bind_model(model: nn.Module, layout: Layout, device: torch.device | None, ki
     # commit="swap"; then every staging set is a fresh one.)
     recyclable = not reads_slot and not copy_problems(targets)
     return Binding(targets, device, inference, reads_slot, recyclable)
+
+
+def rebind_model(model: nn.Module, layout: Layout, bound: Binding, kind: Commit) -> Binding | str:
+    """*model*'s current tensors for *layout*, once they changed since *bound* was made (a
+    new parameter, submodule or model); or why they cannot take the weights (then nothing
+    was written). Each must have the dtype, device and inference mode of the tensor it
+    replaces: the staging of the worker was set up for those (the model is not moved)."""
+    targets, problems = bind_targets(model, layout)
+    for key, t in targets.items():
+        dtype, device = bound.placed[key]
+        if t.dtype != dtype or t.device != device:
+            problems.append(f"{key!r}: the model's tensor is now {t.dtype} on {t.device}, the worker connected with {dtype} on {device}")
+        elif t.is_inference() != bound.inference:
+            made = "under" if t.is_inference() else "outside"
+            problems.append(f"{key!r}: the model's tensor is now made {made} torch.inference_mode(), unlike the one it replaces")
+    unwritable = copy_problems(targets)
+    if kind == "copy":
+        problems.extend(unwritable)
+    if problems:
+        return "the model's tensors changed since the worker connected, and do not fit the weights: " + "; ".join(problems[:16])
+    return Binding(targets, bound.device, bound.inference, bound.reads_slot, bound.recyclable and not unwritable, bound.placed)
+
+
+class ModelWatch:
+    """Notices cheaply that a model no longer holds the tensors bound to it: a parameter or
+    buffer replaced (``load_state_dict(..., assign=True)``, ``module.weight = ...``), a
+    submodule replaced, one registered or deleted, or another model given.
+
+    Example (what the receiver does before each commit)::
+
+        watch = ModelWatch(model, targets)
+        model[2] = nn.Linear(16, 3)
+        print(watch.unchanged(model))      # False: bind the model's tensors again
+
+    A check is one pass in C over what the model's module, parameter and buffer tables hold,
+    compared by identity: for 256 tensors, about the cost of reading their data pointers. A
+    tensor whose memory or values change in place (``.data =``, ``copy_``) is still the one
+    a commit writes. A non-persistent buffer that no key binds (a cache a model may reassign
+    at every forward) is left out; one registered or deleted still counts.
+    """
+
+    def __init__(self, model: nn.Module, targets: Mapping[str, torch.Tensor]) -> None:
+        self.model = model
+        bound = set(map(id, targets.values()))
+        self._tables: list[dict[str, Any]] = []  # compared whole, value by value
+        self._loose: list[dict[str, Any]] = []  # buffer tables holding caches: their size, and
+        self._owners: list[dict[str, Any]] = []  # ... each other entry (table, name, value)
+        self._names: list[str] = []
+        self._entries: list[Any] = []
+        for _, mod in model.named_modules(remove_duplicate=False):
+            self._tables += (mod._modules, mod._parameters)
+            buffers = mod._buffers
+            caches = {n for n in mod._non_persistent_buffers_set if n in buffers and id(buffers[n]) not in bound}
+            if not caches:
+                self._tables.append(buffers)
+                continue
+            self._loose.append(buffers)
+            for name, value in buffers.items():
+                if name not in caches:
+                    self._owners.append(buffers)
+                    self._names.append(name)
+                    self._entries.append(value)
+        self._empty = [t for t in self._tables if not t]  # (cheaper to check apart: most are)
+        self._tables = [t for t in self._tables if t]
+        self._values = list(chain.from_iterable(map(dict.values, self._tables)))
+        self._sizes = list(map(len, self._loose))
+
+    def unchanged(self, model: nn.Module | None) -> bool:
+        """True if *model* is the watched one and holds what it held when watched."""
+        if model is not self.model:
+            return False
+        now = list(chain.from_iterable(map(dict.values, self._tables)))
+        if len(now) != len(self._values) or not all(map(operator.is_, now, self._values)) or any(map(len, self._empty)):
+            return False
+        if self._loose:
+            return list(map(len, self._loose)) == self._sizes and all(
+                map(operator.is_, map(dict.get, self._owners, self._names), self._entries)
+            )
+        return True
 
 
 def copy_problems(targets: dict[str, torch.Tensor]) -> list[str]:

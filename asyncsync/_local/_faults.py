@@ -3,8 +3,10 @@
 A :class:`FaultHook` installed in the context where ``init_on_receiver`` runs is consulted
 by that receiver once per ``Receive``, before it stages anything: it may hold the update
 (the worker answers nothing until released) or refuse it (the worker keeps its weights
-and the sender raises ``WorkerError`` with the hook's message). Without a hook the
-receiver pays one ``is None`` test per update.
+and the sender raises ``WorkerError`` with the hook's message). A polled receiver asks it
+at each ``poll_nowait()`` that finds a new version, without awaiting: a held version stays
+in the mailbox (the first poll after the release applies the newest), a refused one is
+taken and refused there. Without a hook the receiver pays one ``is None`` test per update.
 
 In a worker process, :func:`run_with_faults` installs the hook and obeys commands from
 the test's process over a Unix socket (one JSON object a line, answered ``{"ok": true}``
@@ -47,6 +49,11 @@ class FaultHook:
             self.release()
         if "refusal" in command:
             self.refusal = command["refusal"]
+
+    @property
+    def held(self) -> bool:
+        """True while updates wait (:meth:`hold`)."""
+        return not self._open.is_set()
 
     @property
     def idle(self) -> bool:

@@ -12,7 +12,10 @@ for a replacement.
 A polled worker (one that sent ``Poll``) gets a mailbox in shared memory instead: its
 versions are written there, and it writes its acks of applied versions there too, then
 the sender's one wake (an eventfd) for all polled workers: :class:`_PolledAcks` reads the
-wake once and takes every polled worker's new ack in one pass (see ``_poll``).
+wake once and takes every polled worker's new ack in one pass (see ``_poll``). A send to
+a polled worker whose version in the mailbox is unanswered takes its ack words itself,
+then writes the newest version over that one (:meth:`LinkTable._replace`): latest wins
+without the loop reading acks in between.
 
 :class:`LinkTable` is the half of :class:`~._sender.Sender` that does this; the sender
 holds the state it reads (declared below).
@@ -38,7 +41,20 @@ from .._errors import BrokenChannelError, ClosedError, ProtocolError, WorkerDied
 from .._io._framing import HEADER
 from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
-from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Staged, decode, encode
+from .._wire._local import (
+    Ack,
+    Bye,
+    FromWorker,
+    Hello,
+    Mailbox,
+    MapSlots,
+    Poll,
+    Receive,
+    Staged,
+    assert_never,
+    decode_from_worker,
+    encode,
+)
 from ._poll import MAILBOX_BYTES, Wake
 from ._poll import Mailbox as _Mailbox
 
@@ -70,6 +86,8 @@ class _Link:
         # A polled worker's connect() waits for its first version without polling: that one
         # always goes as a Receive, and only versions after its first answer use the mailbox.
         self.answered = False
+        self.entry = (0, 0)  # the version in the mailbox: (its sequence, the base it was written with)
+        self.maybe_seq = 0  # the sequence of the ledger's ``maybe`` version of this link
 
     def close_mailbox(self) -> None:
         if self.mailbox is not None:
@@ -236,11 +254,32 @@ class LinkTable:
             return  # (the last: nothing was published to it since its last delivery)
         ref = self._ledger.next_delivery(w.idx)
         if ref is not None:
-            skipped = w.sends - link.delivered_sends - 1  # (>= 0: w.sends is ahead, checked above)
+            base = link.delivered_sends  # (< w.sends: checked above)
             link.delivered_sends = w.sends
-            self._deliver(link, ref, skipped)
+            self._deliver(w, link, ref, base)
+        elif link.mailbox is not None and link.answered:
+            self._replace(w, link, link.mailbox)
 
-    def _deliver(self, link: _Link, ref: Ref, skipped: int) -> None:
+    def _replace(self, w: _Worker, link: _Link, mailbox: _Mailbox) -> None:
+        """Latest wins in a polled worker's mailbox: write its newest version over the one
+        it has not answered, then read its claim and take its ack words (see ``_poll``): the
+        replaced slot stays held (``maybe``) only if the worker may be taking it."""
+        held = self._ledger.links.get(w.idx)
+        if held is None or held.in_flight is None:
+            return  # (nothing in flight: nothing newer to send either)
+        replaced, base = link.entry  # (the base too: the worker answered nothing since)
+        link.delivered_sends = w.sends
+        self._deliver(w, link, self._ledger.latest[w.idx], base)
+        claim = mailbox.claimed()
+        if self._ledger.replace(w.idx, claim == replaced, claim == link.maybe_seq):
+            link.maybe_seq = replaced
+        # Then its answer written before that claim, if any: what it holds now (a slot let
+        # go just above, if it runs from it, is held again as its live one).
+        take_ack(w, link, self._on_ack)
+
+    def _deliver(self, w: _Worker, link: _Link, ref: Ref, base: int) -> None:
+        """Send *ref* to *link*; *base*: the count of versions sent to *w* up to the newest
+        one the worker answered (the versions in between are skipped)."""
         assert ref.slot is not None
         slot = self._pool.slots[ref.slot]
         try:
@@ -249,9 +288,9 @@ class LinkTable:
             if link.mailbox is not None and link.answered:
                 # A polled worker reads it between its steps: no message, no wake-up there.
                 # (The slot's bytes are complete: the send's copy finished before publishing.)
-                link.mailbox.publish(ref.version, slot.id, skipped)
+                link.entry = (link.mailbox.publish(ref.version, slot.id, w.sends, base), base)
             else:
-                link.queue.put_frame_nowait(_receive_frame(ref.version, slot.id, skipped))
+                link.queue.put_frame_nowait(_receive_frame(ref.version, slot.id, w.sends - base - 1))
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the channel's end is noticed by its reader callback, which reports it
 
@@ -275,6 +314,7 @@ class LinkTable:
                 polled = self._polled = _PolledAcks(asyncio.get_running_loop(), self._on_ack, self._on_channel_end)
             mailbox = _Mailbox.create()
             link.mailbox = mailbox
+            self._ledger.poll(w.idx)
             polled.add(w, link)
             try:
                 link.queue.put_bytes_nowait(encode(Mailbox(MAILBOX_BYTES)))
@@ -295,7 +335,7 @@ class LinkTable:
     def _on_frame(self, w: _Worker, link: _Link, data: bytes) -> bool:
         if link is not w.link:
             return False
-        msg = decode(data)
+        msg = decode_from_worker(data)
         if msg.__class__ is Ack:  # the one answer of every send: straight to its handler
             self._on_ack(w, link, msg)
         else:
@@ -314,7 +354,7 @@ class LinkTable:
             broken = exc if isinstance(exc, ProtocolError) else None
         link.tasks.append(asyncio.get_running_loop().create_task(self._on_lost(w, link, broken=broken)))
 
-    def _dispatch(self, w: _Worker, link: _Link, msg: Message) -> None:
+    def _dispatch(self, w: _Worker, link: _Link, msg: FromWorker) -> None:
         if isinstance(msg, Ack):
             self._on_ack(w, link, msg)
         elif isinstance(msg, Staged):
@@ -327,14 +367,14 @@ class LinkTable:
         elif isinstance(msg, Poll):
             self._on_poll(w, link)
         else:
-            raise ProtocolError(f"{type(msg).__name__}: a worker never sends this message")
+            assert_never(msg)
 
     def _drain(self, w: _Worker, link: _Link) -> None:
         """Read what the worker said before it went (its last acks, its ``Bye``)."""
         take_ack(w, link, self._on_ack)  # written before anything it said after it
         try:
             while True:
-                self._dispatch(w, link, decode(link.queue.get_bytes_nowait()))
+                self._dispatch(w, link, decode_from_worker(link.queue.get_bytes_nowait()))
         except (WouldBlock, BrokenChannelError, ClosedError):
             pass  # a malformed last word (ProtocolError) is ignored: the worker is gone anyway
 

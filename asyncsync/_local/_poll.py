@@ -1,26 +1,32 @@
 """A polled worker's mailbox: the newest version sent to it, and the worker's ack, in
 version words in shared memory; and the wake that tells the sender an ack is there.
 
-The sender writes ``(version, slot, skipped)`` into a 128-byte memfd segment of the
+The sender writes ``(version, slot, count, base)`` into a 128-byte memfd segment of the
 worker's connection instead of sending a ``Receive``; the worker reads it between two
 steps (:meth:`Receiver.poll_nowait`) with no system call. The first version of a
 connection still goes as a ``Receive``: the worker's connect waits for it without
-polling. Ownership is as for ``Receive``: the mailbox names the one version in flight to
-this worker, written only once the previous one was answered, and its slot stays held
-until the worker's ack.
+polling. The mailbox names the one version in flight to this worker, and its slot stays
+held until the worker's ack. Latest wins without the sender's loop: a send that finds the
+version in the mailbox unanswered writes the newer one over it (see *Claims*).
 
 The worker writes the ack of a version it applied into the mailbox's second cache line,
 then writes the :class:`Wake`, one eventfd shared by every polled worker of the sender.
 The sender's loop reads the wake once and then scans the ack words of every polled
-worker: one wake-up for many acks, no message. Rejections, ``Bye`` and liveness (EOF)
-stay on the socket; a version is only published after the previous one was answered, so
-an ack word is never overwritten before the sender read it.
+worker: one wake-up for many acks, no message; a send reads them too. Rejections, ``Bye``
+and liveness (EOF) stay on the socket. An ack may be written over one the sender has not
+read: the newer one says what the worker holds now, which is all the sender needs.
 
 Words (native int64, 8-byte aligned in a page-aligned mapping)::
 
-    sender -> worker, line 0: [0] sequence  [1] version  [2] slot id  [3] versions skipped
+    sender -> worker, line 0: [0] sequence  [1] version  [2] slot id  [3] count: versions
+                              sent to the worker up to this one  [4] the count of the
+                              newest version the sender knows it answered
     worker -> sender, line 1: [8] sequence  [9] version  [10] slot it runs from (-1: its
                               own memory)  [11] staging ns  [12] commit ns
+                              [15] claim: the sequence of the last version it claimed
+
+The worker's versions skipped are ``count - max(base, count of the last one it took) - 1``:
+exact whether or not it took a version that was written over.
 
 Each line is a seqlock with one writer (the sender's event loop for line 0, the worker
 for line 1) and one reader. The writer makes the sequence odd, writes the fields, then
@@ -44,6 +50,20 @@ store, the sender's scan follows its ``read`` of the eventfd, and a system call 
 the memory accesses around it. A wake is never lost: an ack written after the sender's
 read is followed by its own write, which makes the eventfd readable again; a scan that
 finds a line being written skips it, and that write's wake comes next.
+
+Claims: the sender may write a version over one the worker has not answered, while the
+worker takes that one. The worker claims a version before it reads the slot: it stores
+the version's sequence in its claim word, then, after a store-load barrier (on x86-64,
+whose TSO lets a load pass an older store, a locked instruction), reads the sequence
+again, and keeps the version only if it is still there (else it claims the newer one).
+The sender writes the newer version, then, after the same barrier, reads the claim, then
+the ack words. Of two such store-then-load sequences at least one sees the other's store
+(Dekker): a claim older than the replaced version means the worker never took it and
+never will (its re-read sees the new sequence), so its slot is free; a claim of that
+version means it may be applying it, and the sender keeps its slot until the worker's
+next answer says what it holds; a newer claim means it is past it, and any ack it wrote
+for it (before that claim) is in the ack words the sender reads next. A claim is a
+store and a barrier on a poll that finds a version, never on an empty poll.
 """
 
 from __future__ import annotations
@@ -60,14 +80,9 @@ from .._io._shm import Segment
 __all__ = ["MAILBOX_BYTES", "Mailbox", "Wake", "fence"]
 
 MAILBOX_BYTES = 128  # two cache lines: one per writer
-_SEQ = 0  # the sender's line: sequence, version, slot, skipped
+_SEQ = 0  # the sender's line: sequence, version, slot, count, base
 _ACK = 8  # the worker's line: sequence, version, holds, stage ns, commit ns
-_ACK_FIELDS = 4
-
-#: Called with the version just before the sequence that publishes it is stored (the
-#: bench's publish-to-commit clock); None outside the bench.
-on_publish: Callable[[int], None] | None = None
-
+_CLAIM = 15  # the worker's line, last word: the sequence of the version it last claimed
 
 def _make_fence() -> Callable[[], None]:
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
@@ -93,9 +108,24 @@ def _make_fence() -> Callable[[], None]:
 fence: Callable[[], None] = _make_fence()
 
 
-def _store(w: memoryview, base: int, fields: tuple[int, ...], stamp: Callable[[int], None] | None = None) -> None:
-    """Seqlock writer: the line at *base* gets *fields* after its sequence (*stamp* is
-    called with the first field just before the even store)."""
+def _make_full_fence() -> Callable[[], None]:
+    """A store-load barrier too (a claim, see the module docstring): :func:`fence` on
+    weakly ordered machines; on x86-64, whose TSO lets a load pass an older store, a
+    locked instruction: the acquire of a lock of its own (uncontended: no system call)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return fence  # a full barrier there already (or the lock fallback)
+    lock = threading.Lock()
+    acquire, release = lock.acquire, lock.release
+
+    def locked() -> None:
+        acquire()
+        release()
+
+    return locked
+
+
+def _store(w: memoryview, base: int, fields: tuple[int, ...]) -> int:
+    """Seqlock writer: the line at *base* gets *fields* after its sequence; returns the new sequence."""
     seq = w[base] + 1
     w[base] = seq  # odd: being written
     fence()
@@ -104,19 +134,18 @@ def _store(w: memoryview, base: int, fields: tuple[int, ...], stamp: Callable[[i
         i += 1
         w[i] = value
     fence()
-    if stamp is not None:
-        stamp(fields[0])
     w[base] = seq + 1  # even, and last
+    return seq + 1
 
 
-def _load(w: memoryview, base: int, n: int, seq: int) -> tuple[int, tuple[int, ...]] | None:
-    """Seqlock reader: ``(sequence, fields)`` of the line at *base*, whose sequence was
-    just read as *seq*; None while it is being written (the next read sees it)."""
+def _load(w: memoryview, base: int, seq: int) -> tuple[int, tuple[int, int, int, int]] | None:
+    """Seqlock reader: ``(sequence, fields)`` of the line at *base* (four fields), whose
+    sequence was just read as *seq*; None while it is being written (the next read sees it)."""
     for _ in range(64):  # the writer is a few stores long: retry a few times
         if not seq & 1:
             fence()
             # one load per word (a slice's copy is not promised to be word by word)
-            fields = (w[base + 1], w[base + 2], w[base + 3]) if n == 3 else (w[base + 1], w[base + 2], w[base + 3], w[base + 4])
+            fields = (w[base + 1], w[base + 2], w[base + 3], w[base + 4])
             fence()
             again = w[base]
             if again == seq:
@@ -166,7 +195,10 @@ class Mailbox:
         self._words: memoryview | None = memoryview(mm).cast("B").cast("q")
         self.wake = wake  # the worker's copy of the group's wake (None: the sender's side)
         self.seen = 0  # reader of line 0 (worker): the sequence of the last version taken
+        self._taken = 0  # worker: the count of the last version taken
+        self._peeked = (0, 0)  # worker: (sequence, count) of the version its last peek claimed
         self.acked = 0  # reader of line 1 (sender): the sequence of the last ack taken
+        self._full_fence = _make_full_fence()  # its own: the sender's and the worker's never contend
 
     @classmethod
     def create(cls) -> Mailbox:
@@ -191,30 +223,55 @@ class Mailbox:
         assert self.segment.fd is not None
         return self.segment.fd
 
-    def publish(self, version: int, slot: int, skipped: int) -> None:
-        """Sender: announce *version* in *slot* (its bytes are complete)."""
+    def publish(self, version: int, slot: int, count: int, base: int) -> int:
+        """Sender: announce *version* in *slot* (its bytes are complete), the *count*-th
+        version sent to this worker; *base*: the count of the newest one it answered.
+        Returns the sequence that names it (0: closed)."""
         w = self._words
         if w is None:
-            return  # closed: the connection is gone
-        _store(w, _SEQ, (version, slot, skipped), on_publish)
+            return 0  # closed: the connection is gone
+        return _store(w, _SEQ, (version, slot, count, base))
+
+    def claimed(self) -> int:
+        """Sender, after :meth:`publish`: the sequence of the last version the worker claimed
+        (see the module docstring); the ack words read after it are at least as new."""
+        w = self._words
+        if w is None:
+            return 0
+        self._full_fence()  # the publish's stores before this load
+        claim = w[_CLAIM]
+        fence()  # the ack words after the claim
+        return claim
 
     def peek(self) -> tuple[int, int, int, int] | None:
         """Worker: ``(sequence, version, slot, skipped)`` if something new was published
-        since :attr:`seen`, else None (a single load). Call :meth:`take` once it is applied."""
+        since :attr:`seen`, else None (a single load). A version returned is claimed: the
+        sender keeps its slot until the next ack, so it may be read now. Call :meth:`take`
+        once it is applied (or refused)."""
         w = self._words
         if w is None:
             return None
         seq = w[_SEQ]
         if seq == self.seen:
             return None  # the empty poll: no barrier, no system call
-        got = _load(w, _SEQ, 3, seq)
-        if got is None:
-            return None  # still being written: the next poll sees it
-        seq, (version, slot, skipped) = got
-        return seq, version, slot, skipped
+        got = _load(w, _SEQ, seq)
+        while got is not None:  # (None: being written; the next poll sees it)
+            seq, (version, slot, count, base) = got
+            w[_CLAIM] = seq  # (after the load's fences: after the last ack's stores too)
+            self._full_fence()  # the claim before the re-read
+            again = w[_SEQ]
+            if again == seq:
+                self._peeked = (seq, count)
+                taken = self._taken
+                return seq, version, slot, count - (base if base > taken else taken) - 1
+            got = _load(w, _SEQ, again)  # written over meanwhile (one send each): claim the newer one
+        return None
 
     def take(self, seq: int) -> None:
+        """Worker: the version :meth:`peek` returned as *seq* is handled."""
         self.seen = seq
+        if self._peeked[0] == seq:
+            self._taken = self._peeked[1]
 
     def ack(self, version: int, holds: int | None, stage_s: float, commit_s: float) -> None:
         """Worker: *version* is applied (the model runs from slot *holds*, or its own
@@ -235,7 +292,7 @@ class Mailbox:
         seq = w[_ACK]
         if seq == self.acked:
             return None
-        got = _load(w, _ACK, _ACK_FIELDS, seq)
+        got = _load(w, _ACK, seq)
         if got is None:
             return None  # being written: its wake follows
         self.acked, (version, holds, stage_ns, commit_ns) = got

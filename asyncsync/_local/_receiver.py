@@ -9,6 +9,9 @@ Which tensors are live, pending or being staged is kept by :class:`~._ownership.
 a set is never two of these at once, so staging never writes what the model runs or what
 waits for ``commit()``. When the receiver ends, for any reason, weights that view a shared
 slot are copied into the worker's own memory first: later sends never change the model.
+Before each commit the receiver checks that the model still holds the tensors it bound
+(:class:`~._commit.ModelWatch`); if the worker replaced some, it binds the new ones first,
+so that the version it acknowledges is the one the model runs.
 """
 
 from __future__ import annotations
@@ -31,9 +34,24 @@ from .._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDied
 from .._io._queues import AsyncQueue
 from .._options import DEFAULT, UseDefault, resolve_timeout
 from .._stats import ReceiverStatistics
-from .._wire._protocol import Ack, Bye, Hello, Mailbox, MapSlots, Message, Poll, Receive, Setup, Staged, Stop, decode, encode
+from .._wire._local import (
+    Ack,
+    Bye,
+    Hello,
+    Mailbox,
+    MapSlots,
+    Poll,
+    Receive,
+    Setup,
+    Staged,
+    Stop,
+    ToWorker,
+    assert_never,
+    decode_to_worker,
+    encode,
+)
 from ._bucket import SlotBucket
-from ._commit import Commit, Committer, OnUpdate, bind_model
+from ._commit import Binding, Commit, Committer, ModelWatch, OnUpdate, bind_model, rebind_model
 from ._faults import installed as _installed_faults
 from ._poll import Mailbox as _Mailbox
 from ._stage import SlotStaging
@@ -86,7 +104,7 @@ class Receiver:
         if poll and commit_mode == "manual":
             raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
         self.worker_idx = worker_idx
-        self.model = model
+        self._model = model
         self.commit_kind = commit
         self.commit_mode = commit_mode
         self.timeout = timeout
@@ -98,6 +116,8 @@ class Receiver:
         self._committer = Committer(worker_idx, commit, strategy, context, on_update)
         self._mailbox: _Mailbox | None = None  # poll=True: where the sender announces versions
         self._roles: BufferRoles | None = None
+        self._binding: Binding | None = None  # the model's tensors that commits write
+        self._watch: ModelWatch | None = None  # notices that the model no longer holds them
         self._updates = 0
         self._skipped = 0
         self._rejected = 0
@@ -128,6 +148,27 @@ class Receiver:
     @property
     def _pending(self) -> Weights | None:
         return self._roles.pending if self._roles is not None else None
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The module that receives the weights.
+
+        The receiver follows the tensors the model holds when a version is committed: after
+        ``model.load_state_dict(sd, assign=True)``, a replaced submodule, or another module
+        assigned here, the next version is written into the model's current tensors. A
+        version they cannot take (another shape, dtype or device than the tensors they
+        replace, a key added or removed) is refused naming the key: the model keeps what
+        it runs and the sender raises :class:`~asyncsync.WorkerError`.
+        """
+        return self._model
+
+    @model.setter
+    def model(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"worker {self.worker_idx}: the model must be an nn.Module, got {type(model).__name__}")
+        if self._model is None:
+            raise ValueError(f"worker {self.worker_idx}: this receiver was made without a model; it cannot be given one")
+        self._model = model
 
     @property
     def on_update(self) -> OnUpdate | None:
@@ -253,8 +294,16 @@ class Receiver:
         if news is None:
             return None
         seq, version, slot, skipped = news
-        if self._released or (self._faults is not None and not self._faults.idle):
-            return None  # ended; or a test's fault holds updates (they go through the task)
+        if self._released:
+            return None
+        faults = self._faults
+        if faults is not None and not faults.idle:  # a test's fault (asyncsync.testing)
+            refusal = faults.refusal
+            if faults.held or refusal is None:
+                return None  # it stays in the mailbox: the first poll after the hold applies the newest
+            mailbox.take(seq)
+            self._reject(Receive(version, slot, skipped), refusal)
+            return None
         if self._staging.waits_for(slot):
             return None  # its segment is not mapped yet (the receiver task does that next)
         mailbox.take(seq)
@@ -354,7 +403,7 @@ class Receiver:
                 # descriptors follow on the socket and must be read before any message.
                 while not isinstance(batch[-1], (MapSlots, Mailbox, Stop)):
                     try:
-                        batch.append(decode(self._queue.get_bytes_nowait()))
+                        batch.append(decode_to_worker(self._queue.get_bytes_nowait()))
                     except WouldBlock:
                         break
                 if await self._handle(batch):
@@ -377,17 +426,17 @@ class Receiver:
             self._release(reason if reason is not None else self._close_reason)
             self._changed.notify()
 
-    async def _next_slow_message(self) -> Message:
+    async def _next_slow_message(self) -> ToWorker:
         """Listen on the channel until a message needs this task; return it.
 
         A ``Receive`` that commits straight from its slot is handled in the loop's reader
         callback (a callback runs between two awaits of every task, as a commit must).
         Anything that awaits (mapping slots, staging a copy, ``Stop``) comes back here.
         """
-        waiter: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[ToWorker] = asyncio.get_running_loop().create_future()
 
         def on_frame(data: bytes) -> bool:
-            msg = decode(data)
+            msg = decode_to_worker(data)
             if type(msg) is Receive and (self._faults is None or self._faults.idle) and self._receive_now(msg, 0):
                 return True
             waiter.set_result(msg)
@@ -403,7 +452,7 @@ class Receiver:
         finally:
             self._queue._unlisten()
 
-    async def _handle(self, batch: list[Message]) -> bool:
+    async def _handle(self, batch: list[ToWorker]) -> bool:
         """Process messages in order; of several Receives only the newest is applied."""
         newest = max((i for i, m in enumerate(batch) if isinstance(m, Receive)), default=-1)
         skipped = sum(isinstance(m, Receive) for m in batch) - (newest >= 0)
@@ -425,22 +474,51 @@ class Receiver:
             elif isinstance(msg, Stop):
                 return True
             elif not isinstance(msg, Receive):
-                raise ProtocolError(f"{type(msg).__name__}: a sender never sends this message")
+                assert_never(msg)
         return False
 
     def _on_setup(self, msg: Setup) -> None:
-        if self.model is None:
+        if self._model is None:
             self._staging.bind(msg.layout, "the worker has no model to apply weights to", self._version)
             return
         device = self._device_override or (torch.device(msg.device) if msg.device else None)
-        bound = bind_model(self.model, msg.layout, device, self.commit_kind)
+        bound = bind_model(self._model, msg.layout, device, self.commit_kind)
         roles = self._staging.bind(msg.layout, bound, self._version)
         if isinstance(bound, str):
             return
-        usable = bound.reads_slot and self.commit_kind == "swap" and SlotBucket.usable(msg.layout, bound.targets.values())
-        bucket = SlotBucket(msg.layout, list(bound.targets.values())) if usable else None
-        self._committer.bind(bound.targets, bound.inference, bucket, self._slots.segments)
+        self._use(bound, msg.layout)
         self._roles = roles
+
+    def _use(self, bound: Binding, layout: Layout) -> None:
+        """Commit into *bound*'s tensors from now on, and watch the model for their replacement."""
+        usable = bound.reads_slot and self.commit_kind == "swap" and SlotBucket.usable(layout, bound.targets.values())
+        bucket = SlotBucket(layout, list(bound.targets.values())) if usable else None
+        self._committer.bind(bound.targets, bound.inference, bucket, self._slots.segments)
+        self._binding = bound
+        assert self._model is not None
+        self._watch = ModelWatch(self._model, bound.targets)
+
+    def _rebind(self) -> str | None:
+        """The model no longer holds the tensors bound to it: bind those it holds now (before
+        a commit, which then writes them); or say why they cannot take the weights."""
+        roles, layout, binding, model = self._roles, self._layout, self._binding, self._model
+        assert roles is not None and layout is not None and binding is not None and model is not None
+        bound = rebind_model(model, layout, binding, self.commit_kind)
+        if isinstance(bound, str):
+            return bound  # (checked again at the next version: the worker may fix its model)
+        live = roles.live
+        if live.slot is not None:  # what the model dropped leaves the slot that later versions overwrite
+            kept = set(map(id, bound.targets.values()))
+            for t in self._committer.targets.values():
+                if id(t) not in kept:
+                    t.data = t.data.clone()
+        # The model's tensors are the live set now; the set they replace stays with the
+        # dropped tensors (never recycled for staging).
+        roles.live = Weights(live.version, {k: t.data for k, t in bound.targets.items()}, live.slot)
+        roles.keep_free = bound.recyclable
+        self._staging.retarget(bound)
+        self._use(bound, layout)
+        return None
 
     async def _on_receive(self, msg: Receive, skipped: int) -> None:
         if self._faults is not None:  # a test's fault: hold the update, or refuse it
@@ -500,7 +578,13 @@ class Receiver:
         assert self._roles is not None
         roles = self._roles
         committer = self._committer
-        error = committer.commit(roles, staged)
+        error = None
+        if self._watch is not None and not self._watch.unchanged(self._model):
+            error = self._rebind()
+            if error is not None:
+                roles.committed(roles.live, consumed=staged)  # the staged set is freed
+        if error is None:
+            error = committer.commit(roles, staged)
         if error is not None:
             self._rejected += 1
             self._ack(Ack(self.worker_idx, staged.version, False, error, roles.live.slot))

@@ -275,7 +275,7 @@ class MultiProcessWeightSyncScheme:
             if devices is not None:
                 n = len(devices)
                 if num_workers is not None and num_workers != n:
-                    raise ValueError(f"num_workers={num_workers} but {n} devices were given")
+                    raise ValueError(f"num_workers={num_workers} but {n} device{' was' if n == 1 else 's were'} given")
                 candidates.append(list(range(n)))
             elif num_workers is not None:
                 candidates.append(list(range(num_workers)))
@@ -290,7 +290,7 @@ class MultiProcessWeightSyncScheme:
         if num_workers is not None and num_workers != len(ids):
             raise ValueError(f"num_workers={num_workers} but {len(ids)} worker ids were given")
         if devices is not None and not isinstance(devices, Mapping) and len(devices) != len(ids):
-            raise ValueError(f"{len(devices)} devices for {len(ids)} workers")
+            raise ValueError(f"{len(devices)} device{'' if len(devices) == 1 else 's'} for {len(ids)} worker{'' if len(ids) == 1 else 's'}")
         for i in ids:
             if not isinstance(i, int) or isinstance(i, bool) or i < 0:
                 raise ValueError(f"worker ids must be non-negative ints, got {i!r}")
@@ -301,12 +301,14 @@ class MultiProcessWeightSyncScheme:
     async def listen(self, path: str | None = None, token: str | bytes | None = None) -> WorkerAddress:
         """Trainer: accept workers that attach by address (processes asyncsync did not start).
 
-        Listens on the Unix socket *path* (``"@name"``: a Linux abstract socket; None: a
-        fresh private directory). *token* is the shared secret (None: ``ASYNCSYNC_TOKEN``,
-        else a random one). Returns the :class:`WorkerAddress` to hand to the workers
-        (``str(address)`` or ``address.env()``); each calls :meth:`attach` with it. Call it
-        before ``connect()`` (which waits for every worker) or later; it accepts until
-        :meth:`aclose`, which removes the socket file (after it, ``listen()`` raises
+        Listens on the Unix socket *path*, made absolute (``"@name"``: a Linux abstract
+        socket; None: a fresh abstract socket on Linux, which leaves nothing behind even
+        after a crash, elsewhere a socket file in a fresh private directory). *token* is the
+        shared secret (None: ``ASYNCSYNC_TOKEN``, else a random one). Returns the
+        :class:`WorkerAddress` to hand to the workers (``str(address)`` or
+        ``address.env()``); each calls :meth:`attach` with it. Call it before ``connect()``
+        (which waits for every worker) or later; it accepts until :meth:`aclose`, which
+        removes a socket file and its private directory (after it, ``listen()`` raises
         :class:`ClosedError`). A restarted worker attaches again.
 
         Example::
@@ -525,7 +527,10 @@ class MultiProcessWeightSyncScheme:
         *weights* may be an ``nn.Module``, a TensorDict or a state dict; *worker_ids* an
         int or a list (None: every worker). With *partial*, *weights* may hold a subset
         of the keys (``td.select(...)``); the rest keep their values on each worker.
-        Returns the version number of this send.
+        Returns the version number of this send. A target that is gone (died, left) keeps
+        no other target from the version: with ``sync``, the wait raises its
+        :class:`WorkerDiedError` (or :class:`WorkerLeftError`) once every other target
+        answered, its ``applied_by`` naming those that applied it.
         """
         return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
 

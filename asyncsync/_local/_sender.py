@@ -32,7 +32,7 @@ from .._errors import ClosedError, WeightsError
 from .._io._slots import Slot, SlotPool
 from .._options import DEFAULT, OnWorkerError, UseDefault
 from .._stats import SenderStatistics
-from .._wire._protocol import Setup, Stop, encode
+from .._wire._local import Setup, Stop, encode
 from ._links import LinkTable, SenderObserver, _Worker
 from ._publisher import Publisher, Reservation
 
@@ -294,6 +294,9 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
         """Publish *weights*; with ``sync`` wait until every targeted worker applied them.
 
         *timeout* bounds the whole call: waiting for a free slot and for the acks.
+        A target that is gone (died, left) keeps no other target from the version: with
+        ``sync``, the wait raises its :class:`WorkerDiedError` (or :class:`WorkerLeftError`)
+        once every other target answered, its ``applied_by`` naming those that applied it.
         """
         return await self._send(weights, worker_ids, partial, timeout)
 
@@ -312,9 +315,11 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
         :meth:`wait_async`). With *partial*, *weights* may hold a subset of the keys; the
         others keep the values each target last received. *timeout* bounds the wait for
         another send's snapshot and for a free slot (only possible with a ``max_slots`` cap).
+        A target that is gone is sent the version too (a replacement gets it first): the
+        call does not raise for it; :meth:`wait_async` does.
         """
         targets = self._targets(worker_ids)
-        self._before_send(targets)
+        self._check_running()
         groups = self._group(weights, targets, partial)
         async with self._sending(timeout) as deadline:
             self._check_running()
@@ -347,9 +352,11 @@ class Sender(LinkTable, SenderCore[int, _Worker]):
 
         Only workers that were sent *version* (or a newer one) are waited for. With
         *quorum*, return once that many of them have. Raises :class:`WorkerError` if a
-        worker rejected the weights, :class:`WorkerDiedError` if one died or left (unless
-        ``on_worker_error="skip"``), :class:`SyncTimeoutError` after *timeout* seconds,
-        :class:`ValueError` for a version not sent yet.
+        worker rejected the weights (at once), :class:`WorkerDiedError` if one died or left
+        (unless ``on_worker_error="skip"``) once every other target answered (or at the
+        timeout), with ``applied_by`` naming the targets that applied the version,
+        :class:`SyncTimeoutError` after *timeout* seconds, :class:`ValueError` for a
+        version not sent yet.
         """
         await self._wait(version, worker_ids, quorum, timeout, what)
 

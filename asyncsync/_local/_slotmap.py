@@ -14,7 +14,7 @@ import torch
 from .._core._layout import Layout
 from .._errors import ProtocolError
 from .._io._shm import Segment
-from .._wire._protocol import MapSlots
+from .._wire._local import MapSlots
 
 __all__ = ["SlotMap", "check_segments"]
 

@@ -26,7 +26,7 @@ from .._core._layout import Layout
 from .._core._ownership import BufferRoles, Weights
 from .._io._shm import Segment
 from .._io._staging import Stager, copy_tensors
-from .._wire._protocol import MapSlots, Receive
+from .._wire._local import MapSlots, Receive
 from ._commit import Binding
 from ._slotmap import SlotMap, check_segments
 
@@ -82,6 +82,11 @@ class SlotStaging:
         live = Weights(version, {k: t.data for k, t in binding.targets.items()})
         self.roles = BufferRoles(live, self._allocate_set, keep_free=binding.recyclable)
         return self.roles
+
+    def retarget(self, binding: Binding) -> None:
+        """The model's tensors were bound again (:func:`~._commit.rebind_model`: the same
+        dtypes, device and inference mode): new private sets are shaped like these."""
+        self._targets = binding.targets
 
     def _allocate_set(self) -> dict[str, torch.Tensor]:
         """A private set of device buffers shaped like the model (inference tensors where

@@ -30,6 +30,7 @@ a second. Neither copies the trainer's state into a worker. Progress is logged o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -260,6 +261,7 @@ class WorkerGroup:
     ) -> None:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError("fn must be an async function taking worker_idx first")
+        _check_importable(fn)
         if worker_ids is None:
             if num_workers is None:
                 raise ValueError("pass num_workers or worker_ids")
@@ -283,6 +285,8 @@ class WorkerGroup:
         self._results: dict[int, AsyncQueue[Any]] = {}
         self._lifelines: dict[int, Any] = {}
         self._closed = False
+        self._restarting: dict[int, asyncio.Lock] = {}  # one restart of a worker at a time
+        self._restarted: dict[int, int] = {}  # restarts of each worker that succeeded
 
     # -------------------------------------------------------------- lifecycle
 
@@ -347,7 +351,7 @@ class WorkerGroup:
                 done, pending = await asyncio.wait(waits, timeout=step, return_when=asyncio.FIRST_EXCEPTION)
                 if not pending or any(w.exception() is not None for w in done) or (left is not None and left <= step):
                     break
-                logger.info("asyncsync: %d/%d workers started, %.0f s...", n - len(pending), n, time.monotonic() - since)
+                logger.info("asyncsync: %d/%d worker%s started, %.0f s...", n - len(pending), n, "" if n == 1 else "s", time.monotonic() - since)
         finally:
             for w in waits:
                 w.cancel()
@@ -486,7 +490,21 @@ class WorkerGroup:
         :class:`SyncTimeoutError` naming the worker when the replacement does not connect in
         time. Raises ``ValueError`` for an index that is not one of the group's,
         :class:`ClosedError` once the group is closed.
+
+        A restart of a worker that another task is restarting waits for that one and
+        returns with it, replacing nothing more (two tasks that each saw the worker die
+        get one replacement); if that one failed, this one restarts the worker itself.
         """
+        self._process(worker_idx, "restart")
+        lock = self._restarting.setdefault(worker_idx, asyncio.Lock())
+        before = self._restarted.get(worker_idx, 0)
+        async with lock:
+            if self._restarted.get(worker_idx, 0) != before:
+                return  # replaced by the restart this one waited for
+            await self._replace(worker_idx, timeout)
+            self._restarted[worker_idx] = before + 1
+
+    async def _replace(self, worker_idx: int, timeout: float) -> None:
         old = self._process(worker_idx, "restart")
         if old.is_alive():
             old.kill()
@@ -508,7 +526,7 @@ class WorkerGroup:
         proc = self.processes[idx]
         with anyio.move_on_after(math.inf if timeout is None else timeout):
             while proc.exitcode is None:
-                await anyio.wait_readable(proc.aio_process.sentinel)
+                await _readable(proc.aio_process.sentinel)
                 proc.aio_process.join(0)
             return True
         return False
@@ -565,6 +583,29 @@ class WorkerGroup:
                     p.close()
                 except ValueError:
                     pass
+
+
+def _check_importable(fn: Callable[..., Any]) -> None:
+    """A worker process imports *fn* by name (spawn and forkserver pickle it by reference):
+    refuse one defined inside another function, naming it, before any process starts."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname:
+        raise TypeError(
+            f"the worker function {qualname!r} is defined inside another function: worker processes import it "
+            f"by name, so define it at the top level of a module (here {getattr(fn, '__module__', '?')!r})"
+        )
+
+
+async def _readable(fd: int) -> None:
+    """Until *fd* is readable, waiting on a duplicate of it: anyio takes one waiter per
+    descriptor, and a restart, ``join`` and ``aclose`` may wait for one process together."""
+    own = os.dup(fd)
+    try:
+        await anyio.wait_readable(own)
+    finally:
+        os.close(own)
 
 
 def _check_scheme_has(scheme: Any, worker_ids: list[int]) -> None:

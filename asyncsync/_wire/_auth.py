@@ -15,7 +15,7 @@ import hmac
 import os
 import struct
 
-from ._protocol import NONCE_BYTES
+from ._messages import NONCE_BYTES
 
 # The largest payload before authentication: an Auth frame (host, workers, pid, 2 x 32 bytes).
 HANDSHAKE_LIMIT = 12 + 2 * NONCE_BYTES

@@ -30,7 +30,8 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from asyncsync import DistributedWeightSyncScheme, spawn_workers
 from asyncsync.bench import _cpu
-from asyncsync.bench._run import WARMUP_SENDS, bench_worker
+from asyncsync.bench._run import WARMUP_SENDS
+from asyncsync.bench._worker import bench_worker
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = ["dist_markdown", "run_dist_rows"]
@@ -176,7 +177,7 @@ def run_dist_rows(params: Sequence[str], hosts: int, workers: Sequence[int], rep
     for spec in params:
         for w in workers:
             if progress is not None:
-                progress(f"dist-gloo {spec}: {hosts} hosts x {w} workers ...")
+                progress(f"dist-gloo {spec}: {hosts} host{'' if hosts == 1 else 's'} x {w} worker{'' if w == 1 else 's'} ...")
             row = asyncio.run(_row(spec, hosts, w, repeats))
             if progress is not None:
                 progress(

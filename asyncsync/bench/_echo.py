@@ -2,16 +2,21 @@
 
 Same channel and same kind of processes as the scheme's: N workers started with
 :func:`asyncsync.spawn_workers` (spawn), one ``multiprocessing`` spawn-context
-``Pipe(duplex=True)`` (a socketpair) per worker, the framed pipe under
-:class:`asyncsync.AsyncQueue` on both ends, every end passed to every worker which keeps
-its own and closes the others (as the scheme's pickled endpoints are),
-``torch.set_num_threads(1)`` in the workers. And the same machinery as the scheme's hot
-path: raw frames (no pickle), written with ``put_bytes_nowait`` and handed over by the
-pipe's reader callback (``listen``: the descriptor stays registered with the loop's
-selector; no task wakes up per message on the worker). One echo: the trainer writes one
-40-byte frame (about a ``Receive``) to every worker and awaits a future that the reader
-callbacks resolve once every reply is back; each worker writes every frame back from its
-reader callback. ``ECHO_WARMUP`` echoes, then ``repeats`` timed ones.
+``Pipe(duplex=True)`` (a socketpair) per worker, the public :class:`asyncsync.AsyncQueue`
+on both ends, every end passed to every worker which keeps its own and closes the others
+(as the scheme's pickled endpoints are), ``torch.set_num_threads(1)`` in the workers. And
+the same kind of hot path as the scheme's: raw frames (no pickle), written with
+``put_bytes_nowait`` and read from a reader callback on the loop (``loop.add_reader`` on
+the queue's ``fileno()``, then ``get_bytes_nowait``: the descriptor stays registered with
+the selector; no task wakes up per message on the worker). One echo: the trainer writes
+one 40-byte frame (about a ``Receive``) to every worker and awaits a future that the
+reader callbacks resolve once every reply is back; each worker writes every frame back
+from its reader callback. ``ECHO_WARMUP`` echoes, then ``repeats`` timed ones.
+
+Each queue has at most one frame in flight each way (a reply only answers a frame, the
+next frame waits for every reply), so a reader callback takes one frame per call: one
+read per message, as the scheme's own listener does, and no frame is left read ahead
+where the descriptor would not show it.
 
 A send of weights cannot take less than this unless it sends no message: it is the
 message and wake-up cost that dominates small models, as the one-copy floor is the data
@@ -26,10 +31,14 @@ import multiprocessing as mp
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 import anyio
 import torch
+
+from asyncsync import AsyncQueue, WouldBlock, spawn_workers
 
 __all__ = ["ECHO_PAYLOAD", "ECHO_WARMUP", "echo_worker", "measure_echo", "measure_echo_async"]
 
@@ -40,36 +49,48 @@ ECHO_TIMEOUT_S = 120.0
 JOIN_TIMEOUT_S = 60.0
 
 
+def _read_one(q: AsyncQueue[Any], on_frame: Callable[[bytes], None], on_end: Callable[[Exception], None]) -> None:
+    """A reader callback: hand the one frame that arrived to *on_frame*. The end of the
+    stream, a closed queue or what *on_frame* raised stops reading and goes to *on_end*."""
+    try:
+        on_frame(q.get_bytes_nowait())
+    except WouldBlock:
+        pass  # a spurious wake-up: nothing complete yet
+    except Exception as exc:
+        asyncio.get_running_loop().remove_reader(q.fileno())
+        on_end(exc)
+
+
 async def echo_worker(worker_idx: int, ends: list[Connection]) -> int:
     """Send back every frame until an empty one (or the trainer's end closes); return how many."""
-    from asyncsync._io._pipe import FramedPipe
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
     torch.set_num_threads(1)
     for i, other in enumerate(ends):
         if i != worker_idx:
             other.close()  # the other workers' ends (as the scheme's receiver does)
-    q = FramedPipe(ends[worker_idx])
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    q: AsyncQueue[Any] = AsyncQueue(ends[worker_idx])
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
     echoed = 0
 
-    def on_frame(data: bytes) -> bool:
+    def on_frame(data: bytes) -> None:
         nonlocal echoed
         if not data:
-            done.set_result(None)
-            return False
+            if not done.done():
+                done.set_result(None)
+            return
         q.put_bytes_nowait(data)
         echoed += 1
-        return True
 
     def on_end(exc: Exception) -> None:
         if not done.done():
             done.set_result(None)
 
+    loop.add_reader(q.fileno(), _read_one, q, on_frame, on_end)
     try:
-        q.listen(on_frame, on_end)
         await done
     finally:
+        loop.remove_reader(q.fileno())
         await q.aclose()
     return echoed
 
@@ -80,25 +101,22 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
     Returns ``echo_ms`` (median), ``echo_p90_ms`` and ``echo_min_ms``.
     No process is left behind, also on errors and cancellation.
     """
-    from asyncsync import spawn_workers
-    from asyncsync._io._pipe import FramedPipe
-
     if workers < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"need workers >= 1, repeats >= 1, warmup >= 0; got {workers}, {repeats}, {warmup}")
     ctx = mp.get_context("spawn")
     pairs = [ctx.Pipe(duplex=True) for _ in range(workers)]
     theirs = [b for _, b in pairs]
-    queues = [FramedPipe(a) for a, _ in pairs]
+    queues: list[AsyncQueue[Any]] = [AsyncQueue(a) for a, _ in pairs]
     times: list[float] = []
     loop = asyncio.get_running_loop()
     replies: list[bytes] = []
     round_done: asyncio.Future[None] = loop.create_future()
+    listening: list[int] = []
 
-    def on_frame(data: bytes) -> bool:
+    def on_frame(data: bytes) -> None:
         replies.append(data)
         if len(replies) == workers and not round_done.done():
             round_done.set_result(None)
-        return True
 
     def on_end(exc: Exception) -> None:
         if not round_done.done():
@@ -109,7 +127,8 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
             for b in theirs:
                 b.close()  # each worker holds its own copy now: EOF will mean it is gone
             for q in queues:
-                q.listen(on_frame, on_end)
+                loop.add_reader(q.fileno(), _read_one, q, on_frame, on_end)
+                listening.append(q.fileno())
             with anyio.fail_after(ECHO_TIMEOUT_S):
                 for step in range(warmup + repeats):
                     msg = step.to_bytes(8, "big") + ECHO_PAYLOAD
@@ -124,8 +143,9 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
                         raise RuntimeError(f"echo {step}: expected {msg!r} back, got {replies!r}")
                     if step >= warmup:
                         times.append((t1 - t0) / 1e6)
+                while listening:
+                    loop.remove_reader(listening.pop())
                 for q in queues:
-                    q.unlisten()
                     q.put_bytes_nowait(b"")
                 for q in queues:
                     await q.flush()
@@ -133,6 +153,8 @@ async def measure_echo_async(workers: int, repeats: int, *, warmup: int = ECHO_W
         if any(n != warmup + repeats for n in echoed.values()):
             raise RuntimeError(f"echo workers echoed {echoed}, expected {warmup + repeats} each")
     finally:
+        while listening:
+            loop.remove_reader(listening.pop())
         for b in theirs:
             b.close()
         for q in queues:

@@ -2,11 +2,12 @@
 
 Each worker spins on :meth:`Receiver.poll_nowait` (yielding to its loop, then its CPU
 with ``sched_yield``, every :data:`POLLS_PER_YIELD` polls, as a worker between env steps
-would) and stamps each version right after its commit is complete (its ack about to be
-written). The trainer stamps each version just before the mailbox's even sequence store
-that makes it visible. ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by all
-processes, so the difference is the publish-to-commit time: the worker noticing the
-version and committing it.
+would) and stamps each poll that returns a new version: before the poll began and after
+it returned (the version committed and its ack written). The trainer stamps each version
+right after ``await scheme.send_async()`` returns (the version is published inside it),
+then waits for the acks with ``wait_async``. Both clocks are ``time.perf_counter``,
+CLOCK_MONOTONIC on Linux, shared by all processes, so the difference is the
+publish-to-commit time. Public API only: nothing inside the library is timed.
 
 With ``ASYNCSYNC_BENCH_PIN=1`` in the environment, and a CPU for the trainer and one for
 each worker (:func:`cpu_plan`), the trainer and the workers are pinned each to its own CPU
@@ -29,9 +30,10 @@ from typing import Any
 
 import torch
 
+from asyncsync.bench._worker import worker_report
 from asyncsync.bench._workload import make_model
 
-__all__ = ["POLL_TRANSPORTS", "PUBLISH_KEYS", "POLLS_PER_YIELD", "cpu_plan", "pinned", "poll_worker", "publish_to_commit", "recording_publishes"]
+__all__ = ["POLL_TRANSPORTS", "PUBLISH_KEYS", "POLLS_PER_YIELD", "cpu_plan", "pinned", "poll_worker", "publish_to_commit", "send_stamped"]
 
 #: "shm" with every worker polling (``init_on_receiver(..., poll=True)``).
 POLL_TRANSPORTS: tuple[str, ...] = ("shm-poll",)
@@ -41,43 +43,42 @@ POLLS_PER_YIELD = 256
 async def poll_worker(
     worker_idx: int, scheme: Any, n_params: int, n_tensors: int, probe: bool = False, tick: bool = False, cpus: list[int] | None = None
 ) -> dict[str, Any]:
-    """Poll until stopped; report what :func:`asyncsync.bench._run.bench_worker` reports,
-    plus ``polled``: ``(version, perf_counter before the poll that committed it, when the
-    commit was complete (its ack about to be written), after that poll)``. With *cpus*
-    (:func:`cpu_plan`), the worker runs on ``cpus[1 + worker_idx]`` only."""
-    from asyncsync.bench._run import worker_report
-
+    """Poll until stopped; report what :func:`asyncsync.bench._worker.bench_worker` reports,
+    plus ``polled``: ``(version, perf_counter before the poll that committed it, after
+    that poll returned)``. With *cpus* (:func:`cpu_plan`), the worker runs on
+    ``cpus[1 + worker_idx]`` only."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
     if cpus is not None:
         os.sched_setaffinity(0, {cpus[1 + worker_idx]})
     torch.set_num_threads(1)
     model = make_model(n_params, n_tensors, seed=1000 + worker_idx)
     scheme.init_on_receiver(worker_idx=worker_idx, model=model, poll=True)
-    polled: list[tuple[int, float, float, float]] = []
+    polled: list[tuple[int, float, float]] = []
     poll = scheme.poll_nowait
     clock = time.perf_counter
-    committed_at: dict[int, float] = {}
     async with scheme:
         receiver = scheme.receiver
-        ack = receiver._ack
-
-        def stamped_ack(msg: Any) -> None:  # the commit is complete: its ack goes out now
-            committed_at.setdefault(msg.version, clock())
-            ack(msg)
-
-        receiver._ack = stamped_ack  # type: ignore[method-assign]
         while not receiver.stopped:
             for _ in range(POLLS_PER_YIELD):
                 t0 = clock()
                 version = poll()
                 if version is not None:
-                    polled.append((version, t0, committed_at.get(version, math.nan), clock()))
+                    polled.append((version, t0, clock()))
             await asyncio.sleep(0)
             # Let the trainer and the other spinners run now rather than at the end of
             # this time slice (a no-op when nothing else waits for this CPU).
             os.sched_yield()
         await scheme.wait_stopped()
     return {**worker_report(scheme, model, memfd_mb=None, commits=[], ticks=[]), "polled": polled}
+
+
+async def send_stamped(scheme: Any, published: dict[int, float]) -> int:
+    """Trainer: one synchronous send as ``send_async`` then ``wait_async``, with
+    ``published[version]`` = ``perf_counter`` right after ``send_async`` returned."""
+    version: int = await scheme.send_async()
+    published[version] = time.perf_counter()
+    await scheme.wait_async(version)
+    return version
 
 
 def cpu_plan(workers: int) -> list[int] | None:
@@ -103,26 +104,6 @@ def pinned(cpus: list[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-@contextlib.contextmanager
-def recording_publishes() -> Iterator[dict[int, float]]:
-    """In this (the trainer's) process: ``{version: perf_counter}`` of each version's first
-    publication, stamped just before the mailbox's even sequence store makes it visible."""
-    from asyncsync._local import _poll
-
-    published: dict[int, float] = {}
-    clock = time.perf_counter
-
-    def stamp(version: int) -> None:
-        if version not in published:
-            published[version] = clock()
-
-    _poll.on_publish = stamp
-    try:
-        yield published
-    finally:
-        _poll.on_publish = None
-
-
 #: The publish-to-commit figures of a ``shm-poll`` row (see :func:`publish_to_commit`).
 PUBLISH_KEYS = (
     "publish_to_commit_us",
@@ -138,17 +119,18 @@ PUBLISH_KEYS = (
 
 def publish_to_commit(published: dict[int, float], workers: list[dict[str, Any]], versions: list[int]) -> dict[str, float]:
     """Over the timed *versions*, in µs: ``publish_to_commit_us``, the median from the
-    publication (the even sequence store) until the commit is complete, with its min, p10,
-    p90 and p99 and ``publish_to_commit_within_20us`` (the share at most 20 µs);
-    ``publish_to_poll_us``, the median until the poll that committed it began (how soon
-    the worker ran and looked; it may be negative: a poll that began just before);
-    ``commit_poll_us``, that whole poll's median (reading, committing, the ack, and any
-    preemption the ack's wake-up of the trainer causes)."""
+    return of the trainer's ``send_async`` (the version published) until the worker's
+    ``poll_nowait()`` that committed it returned (commit and ack done), with its min,
+    p10, p90 and p99 and ``publish_to_commit_within_20us`` (the share at most 20 µs);
+    ``publish_to_poll_us``, the median until that poll began (how soon the worker ran and
+    looked; negative when it began before ``send_async`` returned); ``commit_poll_us``,
+    that whole poll's median (reading, committing, the ack, and any preemption the ack's
+    wake-up of the trainer causes)."""
     timed = set(versions)
-    rows = [(v, a, c, b) for w in workers for v, a, c, b in w.get("polled", ()) if v in timed and v in published]
+    rows = [(v, a, b) for w in workers for v, a, b in w.get("polled", ()) if v in timed and v in published]
     if not rows:
         return dict.fromkeys(PUBLISH_KEYS, math.nan)
-    total = sorted((c - published[v]) * 1e6 for v, _a, c, _b in rows)
+    total = sorted((b - published[v]) * 1e6 for v, _a, b in rows)
 
     def pct(q: float) -> float:
         return float(total[min(len(total) - 1, int(q * len(total)))])
@@ -160,6 +142,6 @@ def publish_to_commit(published: dict[int, float], workers: list[dict[str, Any]]
         "publish_to_commit_p90_us": pct(0.9),
         "publish_to_commit_p99_us": pct(0.99),
         "publish_to_commit_within_20us": sum(t <= 20.0 for t in total) / len(total),
-        "publish_to_poll_us": statistics.median((a - published[v]) * 1e6 for v, a, _c, _b in rows),
-        "commit_poll_us": statistics.median((b - a) * 1e6 for _v, a, _c, b in rows),
+        "publish_to_poll_us": statistics.median((a - published[v]) * 1e6 for v, a, _b in rows),
+        "commit_poll_us": statistics.median((b - a) * 1e6 for _v, a, b in rows),
     }

@@ -267,8 +267,13 @@ def write_json(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any
         fh.write("\n")
 
 
+#: The plot's text sizes (points): the legend and the axes' labels read at the size the docs show it.
+PLOT_FONT = {"legend": 11.0, "ticks": 10.0, "labels": 11.0}
+
+
 def write_plot(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any] | None = None) -> None:
-    """Median latency vs model size, log-log, one line per transport, one panel per worker count."""
+    """Median latency vs model size, log-log, one line per transport, one panel per worker
+    count; one legend for all panels, below them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -283,7 +288,10 @@ def write_plot(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any
 
     transports = list(dict.fromkeys(map(series, lat)))
     markers = {"shm": "o", "queue": "s", "torchrl-mp": "^", "torchrl-shared": "v"}
-    fig, axes = plt.subplots(1, len(worker_counts), figsize=(5.5 * len(worker_counts), 4.5), sharey=True, squeeze=False)
+    legend_cols = min(len(transports) + 1, 4)  # the transports and the floor
+    legend_rows = math.ceil((len(transports) + 1) / legend_cols)
+    height = 4.5 + 0.32 * legend_rows
+    fig, axes = plt.subplots(1, len(worker_counts), figsize=(5.5 * len(worker_counts), height), sharey=True, squeeze=False)
     for ax, nw in zip(axes[0], worker_counts):
         for transport in transports:
             pts = sorted(
@@ -306,18 +314,26 @@ def write_plot(path: str, rows: Sequence[dict[str, Any]], machine: dict[str, Any
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks([b for b, _ in labels])
-        ax.set_xticklabels([f"{s}\n{b / 2**20:.3g} MiB" for b, s in labels], fontsize=8)
+        ax.set_xticklabels([f"{s}\n{b / 2**20:.3g} MiB" for b, s in labels], fontsize=PLOT_FONT["ticks"])
+        ax.tick_params(axis="y", labelsize=PLOT_FONT["ticks"])
         ax.minorticks_off()
-        ax.set_xlabel("model size (float32 params)")
-        ax.set_title(f"{nw} worker{'s' if nw > 1 else ''}")
+        ax.set_xlabel("model size (float32 params)", fontsize=PLOT_FONT["labels"])
+        ax.set_title(f"{nw} worker{'s' if nw > 1 else ''}", fontsize=PLOT_FONT["labels"])
         ax.grid(True, which="major", alpha=0.3)
-    axes[0][0].set_ylabel("send until all acks, median (ms)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][0].set_ylabel("send until all acks, median (ms)", fontsize=PLOT_FONT["labels"])
+    # One legend for every panel, below them: each panel's lines, once.
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(
+        list(handles.values()), list(handles), loc="lower center", ncol=legend_cols, fontsize=PLOT_FONT["legend"], frameon=False
+    )
     info = machine or {}
     fig.suptitle(
         f"asyncsync vs torchrl weight sync — {info.get('cpu_model', '')}, {info.get('cores', '?')} cores, torch {info.get('torch', '')}",
-        fontsize=9,
+        fontsize=PLOT_FONT["labels"],
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.075 * legend_rows * 4.5 / height, 1.0, 1.0))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -12,14 +12,11 @@ the workers are joined, so ctrl-C or an error leaves no process behind.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import gc
 import math
 import os
-import shutil
-import signal
 import statistics
 import sys
 import time
@@ -39,8 +36,10 @@ from asyncsync.bench._poll import (
     pinned,
     poll_worker,
     publish_to_commit,
-    recording_publishes,
+    send_stamped,
 )
+from asyncsync.bench._procmem import dev_shm_mb, memfd_mb, peak_rss_mb, reset_peak_rss, rss_mb
+from asyncsync.bench._worker import TICK_S, bench_worker, param_sums
 from asyncsync.bench._workload import make_model, parse_params, perturb_
 
 __all__ = [
@@ -63,7 +62,6 @@ LOOP_LAG_SENDS = 30
 #: Timeout of the scheme's waits (connect, sends, acks) in the benchmark.
 SCHEME_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 60.0
-TICK_S = 0.001
 
 Progress = Callable[[str], None]
 
@@ -88,75 +86,21 @@ def _run_loop(transport: str, coro: Any) -> Any:
     if transport in UVLOOP_TRANSPORTS:
         import uvloop
 
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(coro)
+        if sys.version_info >= (3, 11):
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(coro)
+        loop = uvloop.new_event_loop()  # Python 3.10: no asyncio.Runner
+        try:
+            return loop.run_until_complete(coro)
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
     return asyncio.run(coro)
 
 
 # --------------------------------------------------------------------------
 # small measurement helpers
 # --------------------------------------------------------------------------
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _rss_mb() -> float:
-    """Current RSS of this process in MiB (Linux /proc; psutil elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * _PAGE / 2**20
-    except (OSError, ValueError, IndexError):
-        import psutil
-
-        return float(psutil.Process().memory_info().rss) / 2**20
-
-
-def _reset_peak_rss() -> None:
-    """Reset this process's peak RSS (VmHWM) on Linux; a no-op elsewhere."""
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-
-
-def _peak_rss_mb() -> float:
-    """Peak RSS (VmHWM) of this process in MiB; the current RSS where unsupported."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    return _rss_mb()
-
-
-def _memfd_mb() -> float | None:
-    """Resident MiB of this process's asyncsync memfd mappings (from /proc/self/smaps)."""
-    try:
-        total_kb = 0
-        inside = False
-        with open("/proc/self/smaps") as fh:
-            for line in fh:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):  # a mapping header line
-                    inside = "/memfd:asyncsync" in line
-                elif inside and head == "Rss:":
-                    total_kb += int(line.split()[1])
-        return total_kb / 1024.0
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _dev_shm_mb() -> float | None:
-    """Bytes used in /dev/shm, in MiB (None where there is no /dev/shm)."""
-    try:
-        return shutil.disk_usage("/dev/shm").used / 2**20
-    except OSError:
-        return None
-
-
-def _param_sums(model: nn.Module) -> list[float]:
-    with torch.no_grad():
-        return [float(p.detach().double().sum()) for p in model.parameters()]
-
 
 def _percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 1]) of a non-empty sequence."""
@@ -203,73 +147,6 @@ def measure_floor(n_params: int, n_tensors: int, repeats: int) -> dict[str, floa
         return {"floor_ms": statistics.median(times), "floor_p90_ms": _percentile(times, 0.9)}
     finally:
         torch.set_num_threads(prev)
-
-
-# --------------------------------------------------------------------------
-# worker side (module level: spawn pickles it by name)
-# --------------------------------------------------------------------------
-
-
-async def _ticker(ticks: array.array[float], stop: asyncio.Event) -> None:
-    """Sleep TICK_S in a loop, stamping each wake-up: gaps show how long the loop stalled."""
-    ticks.append(time.perf_counter())
-    while not stop.is_set():
-        await asyncio.sleep(TICK_S)
-        ticks.append(time.perf_counter())
-
-
-async def bench_worker(
-    worker_idx: int,
-    scheme: Any,
-    n_params: int,
-    n_tensors: int,
-    probe: bool = False,
-    tick: bool = False,
-) -> dict[str, Any]:
-    """Receive until stopped; report weights' sums, peak RSS and (optionally) probes.
-
-    *probe*: record ``(version, commit time, RSS MiB)`` at every commit (an
-    ``on_update`` callback). *tick*: run a 1 ms ticker on the loop and return its
-    wake-up times, from which the trainer computes the loop lag during its sends.
-    ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, shared by all processes.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-C is the trainer's business
-    torch.set_num_threads(1)
-    model = make_model(n_params, n_tensors, seed=1000 + worker_idx)
-    commits: list[tuple[int, float, float]] = []
-
-    def on_update(_weights: Any, version: int) -> None:
-        commits.append((version, time.perf_counter(), _rss_mb()))
-
-    scheme.init_on_receiver(worker_idx=worker_idx, model=model, on_update=on_update if probe else None)
-    ticks: array.array[float] = array.array("d")
-    stop_tick = asyncio.Event()
-    ticker = asyncio.ensure_future(_ticker(ticks, stop_tick)) if tick else None
-    try:
-        async with scheme:
-            await scheme.wait_stopped()
-    finally:
-        stop_tick.set()
-        if ticker is not None:
-            await ticker
-    return worker_report(scheme, model, memfd_mb=_memfd_mb(), commits=commits, ticks=ticks.tolist())
-
-
-def worker_report(scheme: Any, model: Any, *, memfd_mb: float | None, commits: list[Any], ticks: list[Any]) -> dict[str, Any]:
-    """What a bench worker sends back once its receiver stopped."""
-    stats = scheme.statistics()
-    return {
-        "pid": os.getpid(),
-        "version": scheme.version,
-        "sums": _param_sums(model),
-        "peak_rss_mb": _peak_rss_mb(),
-        "rss_mb": _rss_mb(),
-        "memfd_mb": memfd_mb,
-        "commits": commits,
-        "ticks": ticks,
-        "last_commit_ms": stats.last_commit_ms,
-        "last_stage_ms": stats.last_stage_ms,
-    }
 
 
 # --------------------------------------------------------------------------
@@ -320,13 +197,13 @@ async def run_asyncsync(
         commit=commit,  # type: ignore[arg-type]
     )
     scheme.init_on_sender(model=model, num_workers=workers)
-    _reset_peak_rss()
+    reset_peak_rss()
     out: dict[str, Any] = {"latencies_ms": [], "t0": [], "t1": [], "versions": []}
     trainer_cpu_s = 0.0
-    recording = contextlib.ExitStack()  # shm-poll: stamps each publication, until aclose
-    published = recording.enter_context(recording_publishes()) if polled else {}
+    published: dict[int, float] = {}  # shm-poll: version -> when send_async returned
     cpus = cpu_plan(workers) if polled else None  # shm-poll: a CPU each, where there are enough
-    recording.enter_context(pinned(cpus))
+    pinning = contextlib.ExitStack()
+    pinning.enter_context(pinned(cpus))
     out["pinned_cpus"] = cpus
     async with spawn_workers(
         poll_worker if polled else bench_worker,
@@ -344,16 +221,16 @@ async def run_asyncsync(
                     out["baseline"] = await _lag_baselines(model, repeats, 1000)
                 perturb_(model, step)
                 if step == warmup:
-                    out["rss_before_mb"] = _rss_mb()
-                    out["dev_shm_before_mb"] = _dev_shm_mb()
-                    out["memfd_before_mb"] = _memfd_mb()
-                    _reset_peak_rss()
+                    out["rss_before_mb"] = rss_mb()
+                    out["dev_shm_before_mb"] = dev_shm_mb()
+                    out["memfd_before_mb"] = memfd_mb()
+                    reset_peak_rss()
                     # The workers wait between sends: their CPU from here to the end
                     # of the timed sends is theirs for the timed sends.
                     cpu_before = _cpu.sample(pids)
                 c0 = time.process_time()
                 t0 = time.perf_counter_ns()
-                version = await scheme.send()
+                version = await (send_stamped(scheme, published) if polled else scheme.send())
                 t1 = time.perf_counter_ns()
                 c1 = time.process_time()
                 if step >= warmup:
@@ -364,20 +241,20 @@ async def run_asyncsync(
                     out["versions"].append(version)
             out["workers_cpu_s"] = _cpu.elapsed_s(cpu_before, _cpu.sample(pids))
             out["trainer_cpu_s"] = trainer_cpu_s
-            out["rss_after_mb"] = _rss_mb()
-            out["dev_shm_after_mb"] = _dev_shm_mb()
-            out["memfd_after_mb"] = _memfd_mb()
-            out["peak_rss_sender_mb"] = _peak_rss_mb()
+            out["rss_after_mb"] = rss_mb()
+            out["dev_shm_after_mb"] = dev_shm_mb()
+            out["memfd_after_mb"] = memfd_mb()
+            out["peak_rss_sender_mb"] = peak_rss_mb()
             stats = scheme.sender.statistics()
             out["slots"] = stats.slots
             out["slot_bytes"] = stats.slot_bytes
             out["last_copy_ms"] = stats.last_copy_ms
             out["worker_commit_ms"] = [w.commit_ms for w in stats.workers]
         finally:
-            recording.close()
+            pinning.close()
             await scheme.aclose()
         results = await group.join(timeout=JOIN_TIMEOUT_S)
-    expected = _param_sums(model)
+    expected = param_sums(model)
     stale = [i for i, r in results.items() if r["sums"] != expected]
     if stale:
         raise RuntimeError(f"asyncsync workers {stale} do not hold the trainer's last weights")

@@ -1,21 +1,24 @@
 """Where a send's CPU goes: the scheme and its receivers in one process, under cProfile.
 
-``python -m asyncsync.bench.profile --params 10k --workers 2 --sends 2000``
+``python scripts/bench_profile.py --params 10k --workers 2 --sends 2000``
 
 By default the receivers are :func:`asyncsync.loopback_worker` ends in the trainer's own event loop,
 over the same sockets and shared memory as spawned workers: this measures the Python and
 system-call work of both sides per send (what the 2-core machine has to share), without
 the cost of waking another process. It prints CPU per send without and with the
 profiler, then that CPU split by owner (sender, receiver, channel, event loop, the copy
-in torch, other) from the profile's own time per function, and the top functions.
+in torch, other) from the profile's own time per function, and the top functions. The
+owners are the library's own files, and the ownership invariant checks
+(``ASYNCSYNC_DEBUG``) are switched off while it measures: a developer's tool, hence in
+``scripts/`` rather than in :mod:`asyncsync.bench`, which uses the public API only.
 
 With ``--spawned`` the receivers are the bench's worker processes instead, and only the
 trainer is profiled: its own CPU per send, as the bench's ``trainer_cpu_ms_per_send``
 measures it (compare ``--workers 1`` with ``--workers 8`` for the cost of each worker).
 
-Example::
+From Python, with ``scripts/`` on the path::
 
-    from asyncsync.bench.profile import profile_sends
+    from bench_profile import profile_sends
     report = profile_sends("1M/256", workers=2, sends=300)
     print(report["cpu_us_per_send"], report["shares"])
 """
@@ -42,7 +45,7 @@ _OWNERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "asyncsync/_core/_strategy.py", "asyncsync/_core/_signal.py", "asyncsync/_core/_flat.py")),
     ("receiver", ("asyncsync/_local/_receiver.py", "asyncsync/_local/_commit.py", "asyncsync/_local/_slotmap.py",
                   "asyncsync/_local/_bucket.py", "asyncsync/_local/_poll.py")),
-    ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_io/_pipe.py", "asyncsync/_io/_framing.py", "asyncsync/_wire/_protocol.py", "sendmsg", "recvmsg_into")),
+    ("channel", ("asyncsync/_io/_queues.py", "asyncsync/_io/_pipe.py", "asyncsync/_io/_framing.py", "asyncsync/_wire/_codec.py", "sendmsg", "recvmsg_into")),
     ("event loop", ("asyncio/", "selectors.py", "method 'poll'", "select.epoll")),
     ("torch copy", ("_foreach_copy_", "asyncsync/_io/_staging.py")),
 )
@@ -94,7 +97,7 @@ async def _run(params: str, workers: int, sends: int, profile: bool, flat: bool 
 async def _run_spawned(params: str, workers: int, sends: int, profile: bool, flat: bool = False) -> tuple[float, pstats.Stats | None]:
     """:func:`_run` with the bench's worker processes as receivers: the trainer alone is measured."""
     from asyncsync import MultiProcessWeightSyncScheme, flatten_parameters, spawn_workers
-    from asyncsync.bench._run import bench_worker
+    from asyncsync.bench._worker import bench_worker
     from asyncsync.bench._workload import make_model, parse_params, perturb_
 
     n_params, n_tensors = parse_params(params)
@@ -175,7 +178,7 @@ def profile_sends(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m asyncsync.bench.profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/bench_profile.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="10k", help="model spec N or N/T, as in the bench (default 10k)")
     parser.add_argument("--workers", type=int, default=2, help="in-process receivers (default 2)")
     parser.add_argument("--sends", type=int, default=2000, help="profiled sends (default 2000)")
@@ -184,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spawned", action="store_true", help="receivers in worker processes; profile the trainer alone")
     args = parser.parse_args(argv)
     r = profile_sends(args.params, args.workers, args.sends, args.top, flat=args.flat, spawned=args.spawned)
-    where, who = ("worker processes", "trainer") if args.spawned else ("in-process receivers", "sender + receivers")
-    print(f"{r['params']} to {r['workers']} {where}, {r['sends']} sends")
+    where, who = ("worker process", "trainer") if args.spawned else ("in-process receiver", "sender + receivers")
+    print(f"{r['params']} to {r['workers']} {where}{'' if r['workers'] == 1 else 's'}, {r['sends']} sends")
     print(f"CPU per send ({who}): {r['cpu_us_per_send']:.0f} us; under the profiler {r['profiled_cpu_us_per_send']:.0f} us")
     print("profiled time by owner: " + ", ".join(f"{k} {v:.0%}" for k, v in r["shares"].items()))
     print(r["top"])
