@@ -35,7 +35,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -43,10 +44,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from ._core._ownership import set_debug, slot_bound
-from ._dist._scheme import DistributedWeightSyncScheme
-from ._errors import HostLostError, SenderDiedError, SyncTimeoutError, WorkerDiedError
-from ._local._loopback import loopback_worker
-from ._local._scheme import MultiProcessWeightSyncScheme
+from ._errors import HostLostError, SenderDiedError, SyncTimeoutError, WorkerGoneError
+from ._schemes._dist import DistributedWeightSyncScheme
+from ._schemes._local import MultiProcessWeightSyncScheme, loopback_worker
 from .testing import no_leaks
 
 KEYS = ("0.weight", "0.bias", "1.weight", "1.bias")
@@ -398,7 +398,7 @@ class HostsCluster:
             await self.relays[h].aclose()
         else:
             await self.relays[h].relay._crash()
-        await self.trainer.sender.wait_lost(h, timeout=SETTLE)
+        await self.trainer.wait_lost(h, timeout=SETTLE)
         self._freeze(h)
         try:
             await self.trainer.wait_async(worker_ids=[(h, 0)], timeout=SETTLE)
@@ -500,7 +500,7 @@ class ClusterMachine(RuleBasedStateMachine):
     def ok_errors(self, targets: list[Wid]) -> tuple[type[BaseException], ...]:
         errors: list[type[BaseException]] = [SyncTimeoutError]
         if any(t not in self.cluster.workers for t in targets):
-            errors.append(WorkerDiedError)  # HostLostError included
+            errors.append(WorkerGoneError)  # died, left or host lost
         return tuple(errors)
 
     def record(self, before: int, planned: dict[Wid, dict[str, float]]) -> None:

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from asyncsync import (
-    AuthenticationError,
     ClosedError,
     MultiProcessWeightSyncScheme,
     SenderDiedError,

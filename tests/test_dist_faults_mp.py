@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from asyncsync import AsyncQueue, HostLostError, WorkerDiedError, spawn_workers
-from asyncsync._local._workers import START_TIMEOUT
+from asyncsync._workers import START_TIMEOUT
 from tests._dist_cluster import TOKEN, DistCluster, free_port
 from tests._dist_targets import dist_trainer, relay_host
 from tests._targets import fill_

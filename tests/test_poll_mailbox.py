@@ -22,8 +22,8 @@ import pytest
 from asyncsync import MultiProcessWeightSyncScheme
 from asyncsync._core import _ownership
 from asyncsync._core._ownership import InvariantError, Ref, SlotLedger, slot_bound
-from asyncsync._local import _poll
-from asyncsync._local._poll import MAILBOX_BYTES, Mailbox, Wake
+from asyncsync._local import _mailbox as _poll
+from asyncsync._local._mailbox import MAILBOX_BYTES, Mailbox, Wake
 from asyncsync.testing import loopback_worker
 from tests._targets import make_model
 

@@ -26,7 +26,14 @@ import pytest
 import torch
 from anyio import wait_all_tasks_blocked
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError, WorkerProcessError, spawn_workers
+from asyncsync import (
+    MultiProcessWeightSyncScheme,
+    SyncTimeoutError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerProcessError,
+    spawn_workers,
+)
 from asyncsync._core._ownership import slot_bound
 from asyncsync._io._queues import AsyncQueue
 from asyncsync._wire._local import Mailbox, Poll, decode_from_worker, decode_to_worker, encode

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncsync import DistributedWeightSyncScheme, HostLostError
-from asyncsync._local._loopback import loopback_worker
+from asyncsync._schemes._local import loopback_worker
 from asyncsync.ray import RayHostGroup, relay_template, start_workers
 from tests._dist_cluster import free_port
 from tests._ray_targets import recording_worker

@@ -17,7 +17,6 @@ import asyncsync
 from asyncsync import ClosedError, MultiProcessWeightSyncScheme, WeightsError
 from tests._targets import fill_, make_model
 
-
 # The public API. A change to it is deliberate: edit this list with it.
 PUBLIC_API = [
     "AsyncQueue", "AsyncSyncError", "AuthenticationError", "BrokenChannelError", "CapacityError", "ClosedError",

@@ -16,13 +16,19 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 import pytest
 import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, WorkerLeftError, loopback_worker
+from asyncsync import (
+    DistributedWeightSyncScheme,
+    MultiProcessWeightSyncScheme,
+    SyncTimeoutError,
+    WeightsError,
+    WorkerLeftError,
+    loopback_worker,
+)
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 

@@ -7,6 +7,8 @@ both; neither calls it back.
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from collections.abc import Hashable, Iterable
 from typing import Any, Generic, TypeVar
@@ -21,6 +23,8 @@ from ._options import DEFAULT, Timeout
 from ._transport import Transport
 
 __all__ = ["Sender"]
+
+logger = logging.getLogger("asyncsync")
 
 W = TypeVar("W", bound=Hashable)
 S = TypeVar("S")
@@ -87,16 +91,25 @@ class Sender(Generic[W, S]):
         """
         d = self._delivery
         deadline = d.deadline(timeout)  # a bad timeout is refused before anything opens
+        t0 = time.monotonic()
         if d.start():
             await self._transport.open()
         if d.version < 0:
             await self.send_async(weights, timeout=deadline)
         await self._wait(0, None, None, deadline, "connect")
+        n = len(d.records)
+        logger.info("asyncsync: connected: %d/%d %s at version 0 in %.1f s", n, n, "worker" if n == 1 else "workers", time.monotonic() - t0)
         return 0
+
 
     async def send(self, weights: Any = None, worker_ids: W | Iterable[W] | None = None, *, partial: bool = False, timeout: Timeout = DEFAULT) -> int:
         """Publish *weights* (None: the configured source); with ``sync``, wait until every
-        targeted worker applied them. *timeout* bounds the whole call. Returns the version."""
+        targeted worker applied them. *timeout* bounds the whole call. Returns the version.
+
+        A target that is gone (died, left) keeps no other target from the version: the
+        wait raises its :class:`WorkerGoneError` once every other target answered, its
+        ``applied_by`` naming those that applied it.
+        """
         d = self._delivery
         targets = d.targets(worker_ids)  # parsed once: the send and its wait pass it on
         deadline = d.deadline(timeout)
@@ -114,13 +127,13 @@ class Sender(Generic[W, S]):
         when it answers its current update: latest wins); acks are collected in the
         background (see :meth:`wait_async`). With *partial*, *weights* may hold a subset of
         the keys; the others keep the values each target last received. *timeout* bounds
-        the wait for another send's snapshot and for room to write it.
+        the wait for another send's snapshot and for room to write it. A target that is
+        gone is sent the version too (a replacement gets it first): this call does not
+        raise for it; :meth:`wait_async` does.
         """
         d = self._delivery
         targets = d.targets(worker_ids)
         d.check_running()
-        if not d.skip_gone:
-            d.acks.refuse_gone(targets)
         groups = d.read(weights, targets, partial)
         async with d.sending(timeout) as deadline:
             d.check_running()
@@ -135,9 +148,11 @@ class Sender(Generic[W, S]):
 
         Only workers that were sent *version* (or a newer one) are waited for. With
         *quorum*, return once that many of them have. Raises :class:`WorkerError` if a
-        worker rejected the weights, :class:`WorkerGoneError` if one died or left (unless
-        ``on_worker_error="skip"``), :class:`SyncTimeoutError` after *timeout* seconds,
-        :class:`ValueError` for a version not sent yet.
+        worker rejected the weights (at once), :class:`WorkerGoneError` if one died or left
+        (unless ``on_worker_error="skip"``) once every other target answered (or at the
+        timeout), its ``applied_by`` naming the targets that applied the version,
+        :class:`SyncTimeoutError` after *timeout* seconds, :class:`ValueError` for a
+        version not sent yet.
         """
         await self._wait(version, worker_ids, quorum, timeout, None)
 

@@ -1,13 +1,13 @@
 """The relay: one per remote host, between the trainer's network transfers and local workers.
 
-A relay *is* a local :class:`~._scheme.MultiProcessWeightSyncScheme` sender whose weights
-come from the network: for each transfer it reserves a free shared-memory slot of that
-local sender (``Sender.reserve``), receives the bytes (broadcast or point-to-point, on the
+A relay *is* a host's local sender whose weights come from the network: for each transfer
+it reserves a free shared-memory slot of the local transport
+(:meth:`~.._local._transport.LocalTransport.reserve`), receives the bytes (broadcast or point-to-point, on the
 weight-sync group) straight into it, and publishes it to the host's workers through the
 local path (latest wins, atomic commits, acks, the ownership ledger: all unchanged). A
 receive given up while the backend still writes the slot abandons the reservation with
-that writer, so the slot stays reserved until it is done. As the local sender's observer
-(``Sender.observe``), the relay forwards every local ack and every local worker's death
+that writer, so the slot stays reserved until it is done. As the local transport's observer
+(:meth:`~.._local._transport.LocalTransport.observe`), the relay forwards every local ack and every local worker's death
 to the trainer over its control stream, so the trainer knows each remote worker by
 ``(host, local index)``.
 
@@ -19,8 +19,8 @@ and keeps its last complete weights, and so does :meth:`Relay.wait_stopped`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures
+import contextlib
 import datetime
 import hmac
 import logging
@@ -33,6 +33,8 @@ import torch
 
 from .._core._deadline import unless
 from .._core._offload import Offload
+from .._core._options import DEFAULT, Timeout, resolve_timeout
+from .._core._sender import Sender
 from .._core._signal import Signal
 from .._errors import (
     AsyncSyncError,
@@ -43,12 +45,11 @@ from .._errors import (
     SenderDiedError,
     SyncTimeoutError,
     WeightsError,
-    WorkerDiedError,
+    WorkerGoneError,
     WorkerLeftError,
 )
 from .._local._publisher import Reservation
-from .._local._sender import Sender
-from .._options import DEFAULT, Timeout, resolve_timeout
+from .._local._transport import LocalTransport
 from .._wire._control import (
     Ack,
     Auth,
@@ -80,7 +81,8 @@ class Relay:
         self,
         *,
         host: int,
-        local: Sender,
+        local: Sender[int, Any],
+        landing: LocalTransport,
         open_store: Callable[[], Any],
         store_name: str,
         token: bytes | None,
@@ -93,6 +95,7 @@ class Relay:
     ) -> None:
         self.host = host
         self.local = local
+        self.landing = landing  # the local sender's transport: slots to land in, its workers' answers
         self._open_store = open_store  # blocking (a store client connects): run off the loop
         self._store_name = store_name
         self._store: Any = None
@@ -160,8 +163,8 @@ class Relay:
 
     async def _join(self, limit: float | None, deadline: float | None) -> None:
         """Find the trainer in the store, connect, authenticate; then start the tasks."""
-        self.local.start()
-        self.local.observe(self)
+        self.landing.start()
+        self.landing.observe(self)
         where = f"the rendezvous store at {self._store_name}"
         if self._store is None:
             if self._store_job is None or self._store_job.done() and self._store_job.exception() is not None:
@@ -330,7 +333,7 @@ class Relay:
                 return
             base = op.base if op.base >= 0 else None
             try:
-                async with self.local.reserve(op.version, fresh, base_version=base) as landing:
+                async with self.landing.reserve(op.version, fresh, base_version=base) as landing:
                     if await self._receive(op, group, landing.buffer, landing):
                         landing.publish()
             except WeightsError as exc:  # a partial update this host cannot complete (not expected)
@@ -402,7 +405,7 @@ class Relay:
         """The trainer said Stop (stop the workers) or died (leave them with SenderDiedError).
         A relay the trainer replaced stops its workers (nothing died)."""
         died = self._error is not None
-        await self.local.aclose(stop=not died or self._displaced)
+        await self.landing.aclose(_CLOSE_S, stop=not died or self._displaced)
         if not died and self._stream is not None:
             try:
                 self._stream.send(Bye(self.host, self._published, "stopped by the trainer"))
@@ -417,13 +420,14 @@ class Relay:
     def worker_answered(self, worker_idx: int, ack: Ack) -> None:
         self._forward_ack(worker_idx, ack)
 
-    def worker_lost(self, worker_idx: int, death: WorkerDiedError) -> None:
+    def worker_lost(self, worker_idx: int, death: WorkerGoneError) -> None:
         if self._stream is None:
             return
         if isinstance(death, WorkerLeftError):
             msg = Lost(worker_idx, None, death.reason or "left")
         else:
-            msg = Lost(worker_idx, death.exitcode if death.exitcode is not None else -1, str(death))
+            code = death.exitcode if isinstance(death, WorkerDiedError) else None
+            msg = Lost(worker_idx, code if code is not None else -1, str(death))
         try:
             self._stream.send(msg)
         except BrokenChannelError:
@@ -482,7 +486,7 @@ class Relay:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self.local.aclose(stop=stop)
+        await self.landing.aclose(_CLOSE_S, stop=stop)
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
@@ -496,6 +500,8 @@ class Relay:
 
 # Store calls may block past any deadline (a client connecting to a listener that never
 # answers): each runs on a daemon thread of its own.
+_CLOSE_S = 10.0  # how long closing waits for the local workers to end
+
 _STORE_CALLS = Offload("asyncsync-blocking-call", daemon=True)
 
 

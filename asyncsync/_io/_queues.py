@@ -180,24 +180,21 @@ class AsyncQueue(Generic[T]):
         """Pass file descriptors to the peer (Unix socket pipes only, SCM_RIGHTS).
 
         They travel in order with the messages: send the message that announces them
-        first, then call ``send_fds``; the peer calls :meth:`recv_fds` (or
-        :meth:`receive_fds`) right after it got that message. The descriptors are
+        first, then call ``send_fds``; the peer calls :meth:`receive_fds` (or
+        :meth:`receive_fds_nowait`) right after it got that message. The descriptors are
         duplicated, so the caller may close its own at once. Never raises
         :class:`WouldBlock`: the high-water mark does not apply here.
         """
         self._end.send_fds(fds)
 
-    def recv_fds(self, count: int) -> list[int]:
-        """Receive *count* descriptors sent with :meth:`send_fds`, right after the message announcing them.
-
-        The sender writes them right behind that message, so they are normally here
-        already; otherwise this blocks (at most 10 s, then :class:`BrokenChannelError`).
-        In a task prefer :meth:`receive_fds`, which waits in the event loop.
-        """
-        return self._end.recv_fds(count)
+    def receive_fds_nowait(self, count: int) -> list[int]:
+        """The *count* descriptors sent with :meth:`send_fds` right after the message that
+        announced them, if they arrived; else :class:`WouldBlock` (the sender writes them
+        right behind the message, so they normally have)."""
+        return self._end.receive_fds_nowait(count)
 
     async def receive_fds(self, count: int) -> list[int]:
-        """Like :meth:`recv_fds`, but waits in the event loop; cancel-safe.
+        """The *count* descriptors sent with :meth:`send_fds`, waiting in the event loop; cancel-safe.
 
         Uses the reader's descriptor wait: call it from the task that reads.
         """
@@ -290,7 +287,7 @@ class _QueueEnd(FdEnd):
         self.check_open()
         raise TypeError(FDS_NEED_SOCKET)
 
-    def recv_fds(self, count: int) -> list[int]:
+    def receive_fds_nowait(self, count: int) -> list[int]:
         self.check_open()
         if count == 0:
             return []
@@ -298,7 +295,7 @@ class _QueueEnd(FdEnd):
 
     async def receive_fds(self, count: int) -> list[int]:
         await anyio.lowlevel.checkpoint()
-        return self.recv_fds(count)
+        return self.receive_fds_nowait(count)
 
     def put_nowait(self, item: Any) -> None:
         self.check_open()
