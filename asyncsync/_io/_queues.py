@@ -165,12 +165,29 @@ class AsyncQueue(Generic[T]):
             if msg is not EMPTY:
                 return msg
 
-    def _listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
-        """:meth:`FramedPipe.listen <._pipe.FramedPipe.listen>`: the scheme's own channels
-        read frames from the loop's reader callback. Do not ``get`` while listening."""
+    def listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
+        """Read raw frames as they arrive, in the event loop's reader callback (no task, no
+        wake-up per message): ``on_frame(frame)`` for each (it returns False to stop
+        listening and leave the rest buffered), ``on_end(exc)`` once the channel ends.
+        Do not ``get`` while listening; the callbacks must not block.
+
+        Example::
+
+            import multiprocessing
+
+            ours, theirs = multiprocessing.Pipe()
+            queue, peer = AsyncQueue(ours), AsyncQueue(theirs)
+            got = asyncio.get_running_loop().create_future()
+            queue.listen(lambda frame: got.set_result(frame) is None, lambda exc: None)
+            peer.put_bytes_nowait(b"hello")
+            print(await got)                  # b'hello'
+            queue.unlisten()
+            await queue.aclose()
+            await peer.aclose()
+        """
         self._end.listen(on_frame, on_end)
 
-    def _unlisten(self) -> None:
+    def unlisten(self) -> None:
         """Stop listening (idempotent); buffered frames stay for the next reader."""
         self._end.unlisten()
 

@@ -250,7 +250,7 @@ class LinkTable:
         old = w.link
         if old is not None:
             old.close_mailbox()
-            old.queue._unlisten()
+            old.queue.unlisten()
             for t in old.tasks:
                 t.cancel()
             old.queue.close()
@@ -351,7 +351,7 @@ class LinkTable:
 
     def start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
         # Answers are handled in the loop's reader callback: no task wakes up per message.
-        link.queue._listen(functools.partial(self._on_frame, w, link), functools.partial(self._on_channel_end, w, link))
+        link.queue.listen(functools.partial(self._on_frame, w, link), functools.partial(self._on_channel_end, w, link))
         if w.sentinel is not None:
             link.tasks.append(loop.create_task(self.watch_sentinel(w, link)))
 
@@ -458,7 +458,7 @@ class LinkTable:
         if link is not w.link or link.lost:
             return  # an older channel, or already handled
         link.lost = True
-        link.queue._unlisten()
+        link.queue.unlisten()
         if broken is None:
             self._drain(w, link)
         if self._life.phase in ("closing", "closed") and w.state == "connected":

@@ -440,11 +440,11 @@ class Receiver:
             if not waiter.done():
                 waiter.set_exception(exc)
 
-        self._queue._listen(on_frame, on_end)
+        self._queue.listen(on_frame, on_end)
         try:
             return await waiter
         finally:
-            self._queue._unlisten()
+            self._queue.unlisten()
 
     async def _handle(self, batch: list[ToWorker]) -> bool:
         """Process messages in order; of several Receives only the newest is applied."""

@@ -167,7 +167,7 @@ class LocalTransport:
         d.closed()
         links = [w.link for w in self._workers.values() if w.link is not None]
         for link in links:
-            link.queue._unlisten()  # nothing is dispatched once closed
+            link.queue.unlisten()  # nothing is dispatched once closed
         tasks = [t for link in links for t in link.tasks]
         for t in tasks:
             t.cancel()
