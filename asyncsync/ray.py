@@ -62,6 +62,7 @@ import anyio
 import torch
 
 from ._core._layout import Layout
+from ._core._offload import retrieve
 from ._errors import AsyncSyncError, HostLostError, SyncTimeoutError, WorkerProcessError
 from ._schemes._dist import DistributedWeightSyncScheme
 from ._schemes._local import MultiProcessWeightSyncScheme
@@ -607,17 +608,12 @@ async def _wait_exited(pids: list[int], timeout: float) -> None:
 def _run(ref: Any) -> asyncio.Future[Any]:
     """An actor method's call as a future whose failure is retrieved (joins report it)."""
     fut = asyncio.ensure_future(_awaited(ref))
-    fut.add_done_callback(_retrieve)
+    fut.add_done_callback(retrieve)
     return fut
 
 
 async def _awaited(ref: Any) -> Any:
     return await ref
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _failed(fut: asyncio.Future[Any]) -> bool:

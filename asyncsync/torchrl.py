@@ -59,6 +59,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torchrl is abse
         "pip replaces a newer tensordict with 0.14.3)"
     ) from exc
 
+from ._core._offload import retrieve
 from ._core._options import DEFAULT, UseDefault, resolve_timeout
 from ._core._weights import resolve_model, to_flat
 from ._errors import SyncTimeoutError
@@ -241,7 +242,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             # each send bounds its own wait for this; a worker that dies meanwhile is named at once.
             connect = self._inner.connect(timeout=None) if first is None else self._inner.sender.connect(timeout=None, weights=first)
             task = asyncio.get_running_loop().create_task(connect, name="asyncsync-torchrl-connect")
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
             return task
 
         self._connecting = loop.run(start(), None)
@@ -759,11 +760,6 @@ class _Gate:
 
 async def _value(fn: Callable[[], T]) -> T:
     return fn()
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # seen by the next send(); not "never retrieved"
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
