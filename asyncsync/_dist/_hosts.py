@@ -19,6 +19,7 @@ import os
 from .._core._acks import GONE, WorkerRecord
 from .._core._delivery import Delivery
 from .._core._layout import Layout
+from .._core._options import WorkerState
 from .._core._ownership import SnapshotLedger
 from .._errors import AuthenticationError, BrokenChannelError, HostLostError, ProtocolError, WorkerDiedError, WorkerLeftError
 from .._wire._control import Ack, Auth, Beat, Bye, Challenge, FromRelay, Lost, Setup, Welcome, assert_never, decode_from_relay
@@ -46,7 +47,7 @@ class Host:
     def __init__(self, idx: int, num_workers: int) -> None:
         self.idx = idx
         self.num_workers = num_workers
-        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.state: WorkerState = "waiting"
         self.stream: ControlStream[FromRelay] | None = None
         self.pid: int | None = None
         self.peer: str | None = None

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -71,6 +71,8 @@ from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_m
 from ._dataplane import SyncGroup
 
 __all__ = ["Relay"]
+
+RelayState = Literal["new", "running", "stopped", "closed"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -117,7 +119,7 @@ class Relay:
         self._error: BaseException | None = None
         self._displaced = False
         self._leaving = False  # aclose() said Bye: the trainer closing the connection is the answer
-        self._state = "new"
+        self._state: RelayState = "new"
         self._joining = False
         self._store_job: concurrent.futures.Future[Any] | None = None
         self.trainer: str | None = None

@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
+from typing import Literal
 
 import torch
 
@@ -200,7 +201,7 @@ class Reservation:
         self._slot: Slot | None = None
         self._based = False
         self.published = False
-        self._state = "new"  # new | reserved | published | abandoned | done
+        self._state: Literal["new", "reserved", "published", "abandoned", "done"] = "new"
         self._writer: asyncio.Future[None] | None = None
 
     async def __aenter__(self) -> Reservation:

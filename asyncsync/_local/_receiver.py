@@ -21,7 +21,7 @@ import logging
 import os
 import warnings
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -56,6 +56,8 @@ from ._mailbox import Mailbox as _Mailbox
 from ._stage import SlotStaging
 
 __all__ = ["OnUpdate", "Receiver"]
+
+ReceiverState = Literal["new", "running", "closed"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -127,7 +129,7 @@ class Receiver:
         self._no_bye = False  # the sender stopped us or is gone, or a test kills us: say no Bye
         self._released = False
         self._close_reason = "the worker closed its receiver"  # the goodbye's reason, unless the task says otherwise
-        self._state = "new"
+        self._state: ReceiverState = "new"
         self._connected = False  # a connect() returned (one that timed out or was cancelled may be retried)
         self._faults = _installed_faults.get()  # asyncsync.testing's fault injection, else None
 
