@@ -108,8 +108,8 @@ class Faults:
     async def kill(self, worker_idx: int) -> None:
         """End worker *worker_idx* as a crash would (a process: SIGKILL; a loopback worker:
         its channel closes without a goodbye); return once it is gone and the sender (if
-        connected) has noticed: from then on a send that targets it raises
-        :class:`~asyncsync.WorkerDiedError` naming it before anything is sent (with
+        connected) has noticed: from then on a send that targets it still reaches the
+        others, and its wait raises :class:`~asyncsync.WorkerDiedError` naming it (with
         ``on_worker_error="raise"``). ``restart(i)`` brings a replacement.
 
         To kill a worker in the middle of a send, start the send as a task first.

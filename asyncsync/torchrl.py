@@ -88,8 +88,9 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             version; if False, once the snapshot is taken (a slow worker then gets
             only the newest version: latest wins).
         timeout: default bound, in seconds, of every wait (``None``: no bound).
-        on_worker_error: ``"raise"`` (a dead worker fails the sends that target it,
-            :class:`~asyncsync.WorkerDiedError` naming it) or ``"skip"``.
+        on_worker_error: ``"raise"`` (a send that targets a dead worker still reaches
+            the others, then fails with :class:`~asyncsync.WorkerDiedError` naming it) or
+            ``"skip"``.
         transfer_dtype: send floating-point tensors in this dtype (e.g. ``torch.bfloat16``).
         check_finite: reject weights holding NaN or inf before sending.
         per_worker_weights: each worker keeps weights of its own: ``send({worker_idx:
@@ -261,7 +262,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         Synchronous, from any thread (never the scheme's own). With ``sync=True`` it
         returns once every targeted worker runs this version; with ``sync=False`` once
         the snapshot is taken. Raises :class:`~asyncsync.WorkerDiedError` naming a dead
-        worker, :class:`~asyncsync.WorkerError` for a rejected payload (that worker keeps
+        worker (with ``sync=True``, once the living targets applied it), :class:`~asyncsync.WorkerError` for a rejected payload (that worker keeps
         its weights), :class:`~asyncsync.SyncTimeoutError` past *timeout*.
         """
         return self._trainer_loop().run(self._send(weights, worker_ids, timeout), self._outer_bound(timeout))

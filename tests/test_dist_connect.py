@@ -6,13 +6,18 @@ host is there, also after a long blocked loop; a displaced relay is told why."""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import os
 import re
 import socket
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed import TCPStore
 
 from asyncsync import (
     BrokenChannelError,
@@ -89,7 +94,8 @@ async def test_relay_connect_is_bounded_off_the_loop_cancel_safe_and_can_be_retr
         pending.cancel()
         await asyncio.wait({pending})
         assert pending.cancelled()
-        assert _store_waits() >= 1  # its store wait was left to end on its own, not joined on the loop
+        while _store_waits() >= waits:  # its store wait ends with it, on its own thread
+            await asyncio.sleep(0.001)
 
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(relay.connect(), 0.3)
@@ -134,6 +140,52 @@ async def test_relay_connect_to_a_store_that_never_answers_ends_at_its_timeout()
         if t.name == "asyncsync-blocking-call":
             await asyncio.to_thread(t.join, 60)
             assert not t.is_alive(), "the store's client still connects to a listener that is gone"
+
+
+# A rank whose trainer never publishes its address: connect(timeout=2) is cancelled by an
+# enclosing timeout, the scheme closed, and the process exits about when connect's own wait
+# in the store would have ended (argv[2] seconds before), the moment that used to abort it.
+_EXIT_AFTER_A_CONNECT_GIVEN_UP = """
+import asyncio, sys, time
+import torch
+from asyncsync import DistributedWeightSyncScheme
+
+async def main(port, early):
+    host = DistributedWeightSyncScheme(rank=1, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port)
+    host.init_on_receiver(model=torch.nn.Linear(2, 2))
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(host.connect(timeout=2.0), 1.5)
+    except asyncio.TimeoutError:
+        pass
+    await host.aclose()
+    await asyncio.sleep(max(t0 + 2.0 - early - time.monotonic(), 0.0))
+
+asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
+"""
+
+
+@pytest.mark.timeout(600)
+async def test_a_process_exits_cleanly_after_a_relays_connect_was_given_up() -> None:
+    """No store call may return while the interpreter finalizes (torch aborts the process):
+    12 processes exit at moments around the end of connect's store wait, each with code 0."""
+    store = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    two_at_a_time = asyncio.Semaphore(2)
+
+    async def run(early: float) -> tuple[int | None, str]:
+        async with two_at_a_time:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _EXIT_AFTER_A_CONNECT_GIVEN_UP, str(store.port), str(early),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env, cwd=root,
+            )  # fmt: skip
+            _, err = await proc.communicate()
+            return proc.returncode, err.decode(errors="replace")[-2000:]
+
+    outcomes = await asyncio.gather(*(run(0.01 * (k % 6)) for k in range(12)))
+    failed = [(code, err) for code, err in outcomes if code != 0]
+    assert not failed, f"{len(failed)}/12 exited with {[code for code, _ in failed]}; the first's stderr:\n{failed[0][1]}"
 
 
 async def test_a_blocked_loop_longer_than_the_silence_timeout_loses_nobody() -> None:

@@ -19,12 +19,13 @@ and keeps its last complete weights, and so does :meth:`Relay.wait_stopped`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
-import datetime
 import hmac
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -171,7 +172,8 @@ class Relay:
         where = f"the rendezvous store at {self._store_name}"
         if self._store is None:
             if self._store_job is None or self._store_job.done() and self._store_job.exception() is not None:
-                self._store_job = _STORE_CALLS.start(self._open_store)  # a retry waits for the same attempt
+                ends_by = time.monotonic() + _connect_bound(self.timeout)
+                self._store_job = _STORE_CALLS.start(self._open_store, ends_by=ends_by)  # a retry waits for the same attempt
             self._store = await _wait_job(self._store_job, _remaining(deadline), f"host {self.host} connecting to {where}", limit)
         store = self._store
         if self._token is None:  # no shared token: rank 0 put one in the store
@@ -501,16 +503,84 @@ class Relay:
         return group
 
 
-# Store calls may block past any deadline (a client connecting to a listener that never
-# answers): each runs on a daemon thread of its own.
 _CLOSE_S = 10.0  # how long closing waits for the local workers to end
 
-_STORE_CALLS = Offload("asyncsync-blocking-call", daemon=True)
+
+_EXIT_GRACE = 3.0  # seconds the interpreter's exit may wait for a store call to end
+_POLL_FIRST, _POLL_MAX = 0.005, 0.1  # seconds between two looks for a key in the store
+
+
+class _StoreCalls:
+    """Blocking calls into the rendezvous store, each on a daemon thread of its own (one
+    may block past any deadline: a client connecting to a listener that never answers).
+
+    torch aborts the process (SIGABRT) when a store call returns while the interpreter
+    finalizes, so none may be running then. A stoppable call (given *stop*: a wait for a
+    key, which polls) ends once its caller leaves, or the interpreter exits; at exit, the
+    interpreter waits for those, and for the calls that end within :data:`_EXIT_GRACE`
+    seconds by their own timeout (*ends_by*). One that ends later (or never: a client
+    whose listener never answers) still runs when the process is gone.
+    """
+
+    def __init__(self) -> None:
+        self._offload = Offload("asyncsync-blocking-call", daemon=True)
+        self._lock = threading.Lock()
+        self._running: dict[object, tuple[threading.Thread, threading.Event | None, float | None]] = {}
+        self._exiting = False
+        atexit.register(self._at_exit)
+        os.register_at_fork(after_in_child=self._forget_all)  # (the threads stay with the parent)
+
+    def start(self, fn: Callable[..., Any], *args: Any, stop: threading.Event | None = None, ends_by: float | None = None) -> concurrent.futures.Future[Any]:
+        """``fn(*args)`` on a thread of its own: it watches *stop* and returns soon once
+        it is set, or else returns by *ends_by* (``time.monotonic()``) if known."""
+        token = object()
+
+        def call() -> Any:
+            with self._lock:
+                if self._exiting:
+                    raise ClosedError("the interpreter is exiting")
+                self._running[token] = (threading.current_thread(), stop, ends_by)
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self._running.pop(token, None)
+
+        return self._offload.start(call)
+
+    async def wait(self, job: concurrent.futures.Future[Any], timeout: float | None, what: str) -> Any:
+        return await self._offload.wait(job, timeout=timeout, what=what)
+
+    def _at_exit(self) -> None:
+        with self._lock:
+            self._exiting = True
+            running = list(self._running.values())
+        now = time.monotonic()
+        deadline = now + _EXIT_GRACE
+        for _thread, stop, _ends_by in running:
+            if stop is not None:
+                stop.set()
+        for thread, stop, ends_by in running:
+            if stop is not None or (ends_by is not None and ends_by <= deadline):
+                thread.join(max(deadline - time.monotonic(), 0.0))
+
+    def _forget_all(self) -> None:
+        self._lock = threading.Lock()
+        self._running = {}
+
+
+# The store client connects with the scheme's timeout (300 s without one), retrying at
+# most twice that long.
+def _connect_bound(timeout: float | None) -> float:
+    return 2.0 * (timeout if timeout is not None else 300.0) + 1.0
+
+
+_STORE_CALLS = _StoreCalls()
 
 
 async def _wait_job(job: concurrent.futures.Future[Any], remaining: float | None, what: str, limit: float | None) -> Any:
     try:
-        return await _STORE_CALLS.wait(job, timeout=remaining, what=what)
+        return await _STORE_CALLS.wait(job, remaining, what)
     except SyncTimeoutError:
         raise SyncTimeoutError(what, {}, limit) from None
     except AsyncSyncError:
@@ -521,20 +591,27 @@ async def _wait_job(job: concurrent.futures.Future[Any], remaining: float | None
 
 async def _store_get(store: Any, key: str, remaining: float | None, what: str, limit: float | None) -> bytes:
     """``store.get(key)`` once *key* is set, waiting at most *remaining* seconds, off the
-    loop, on a store connection of its own (a wait left behind holds up nobody)."""
-    wait = datetime.timedelta(seconds=max(remaining, 0.001) if remaining is not None else 300.0)
+    loop. The thread looks for the key every few milliseconds and ends once this call
+    does (returned, timed out or cancelled): no wait is left behind in the store."""
+    stop = threading.Event()
+    end = None if remaining is None else time.monotonic() + remaining
 
     def get() -> bytes:
-        own = store.clone() if hasattr(store, "clone") else store
-        try:
-            own.wait([key], wait)
-        except Exception as exc:  # DistStoreError: the wait timed out in the store, or it went away
-            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-                raise SyncTimeoutError(what, {}, limit) from None
-            raise
-        return bytes(own.get(key))
+        pause = _POLL_FIRST
+        while not store.check([key]):
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise SyncTimeoutError(what, {}, limit)
+            if stop.wait(pause if left is None else min(pause, left)):
+                raise ClosedError(f"{what}: given up")  # (nobody waits for it any more)
+            pause = min(pause * 2, _POLL_MAX)
+        return bytes(store.get(key))
 
-    return await _wait_job(_STORE_CALLS.start(get), None if remaining is None else remaining + 1.0, what, limit)  # type: ignore[no-any-return]
+    try:
+        job = _STORE_CALLS.start(get, stop=stop)
+        return await _wait_job(job, None if remaining is None else remaining + 1.0, what, limit)  # type: ignore[no-any-return]
+    finally:
+        stop.set()
 
 
 def _deadline(timeout: float | None) -> float | None:
