@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._core._deadline import unless
+from .._core._deadline import Deadline, unless
 from .._core._offload import Offload
 from .._core._options import DEFAULT, Timeout, resolve_timeout
 from .._core._sender import Sender
@@ -148,24 +148,24 @@ class Relay:
         if self._joining:
             raise RuntimeError("connect() is already running")
         limit = resolve_timeout(timeout, self.timeout)
-        deadline = _deadline(limit)
+        deadline = Deadline(limit)
         if self._state == "new":
             self._joining = True
             try:
                 await self._join(limit, deadline)
             finally:
                 self._joining = False
-            deadline = _deadline(limit)  # joined: the first weights have a timeout of their own
-        if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", _remaining(deadline)):
+            deadline = Deadline(limit)  # joined: the first weights have a timeout of their own
+        if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", deadline.remaining()):
             raise SyncTimeoutError(f"host {self.host} waiting for its first weights", {}, limit)
         if self._error is not None:
             raise self._error
         if self._state == "closed":
             raise ClosedError(f"host {self.host}: the relay was closed while connecting")
-        await self.local.wait_async(self._published, timeout=_remaining(deadline))
+        await self.local.wait_async(self._published, timeout=deadline.remaining())
         return self._published
 
-    async def _join(self, limit: float | None, deadline: float | None) -> None:
+    async def _join(self, limit: float | None, deadline: Deadline) -> None:
         """Find the trainer in the store, connect, authenticate; then start the tasks."""
         self.landing.start()
         self.landing.observe(self)
@@ -174,23 +174,23 @@ class Relay:
             if self._store_job is None or self._store_job.done() and self._store_job.exception() is not None:
                 ends_by = time.monotonic() + _connect_bound(self.timeout)
                 self._store_job = _STORE_CALLS.start(self._open_store, ends_by=ends_by)  # a retry waits for the same attempt
-            self._store = await _wait_job(self._store_job, _remaining(deadline), f"host {self.host} connecting to {where}", limit)
+            self._store = await _wait_job(self._store_job, deadline.remaining(), f"host {self.host} connecting to {where}", limit)
         store = self._store
         if self._token is None:  # no shared token: rank 0 put one in the store
-            self._token = bytes(await _store_get(store, "token", _remaining(deadline), f"host {self.host} waiting for the trainer's token in {where}", limit))
+            self._token = bytes(await _store_get(store, "token", deadline.remaining(), f"host {self.host} waiting for the trainer's token in {where}", limit))
         key = "control"
-        address = (await _store_get(store, key, _remaining(deadline), f"host {self.host} waiting for the trainer to publish its control address in {where}", limit)).decode()
+        address = (await _store_get(store, key, deadline.remaining(), f"host {self.host} waiting for the trainer to publish its control address in {where}", limit)).decode()
         addr, _, port = address.rpartition(":")
         self.trainer = f"trainer at {address}"
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, int(port)), _remaining(deadline))
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, int(port)), deadline.remaining())
         except (TimeoutError, asyncio.TimeoutError):
             raise SyncTimeoutError(f"host {self.host} connecting to the {self.trainer}", {}, limit) from None
         except OSError as exc:
             raise BrokenChannelError(f"host {self.host}: cannot reach the {self.trainer}: {exc}") from None
         stream = ControlStream(reader, writer, self.trainer, decode_to_relay)
         try:
-            await asyncio.wait_for(self._handshake(stream), _remaining(deadline))
+            await asyncio.wait_for(self._handshake(stream), deadline.remaining())
             if self._state == "closed":
                 raise ClosedError(f"host {self.host}: the relay was closed while connecting")
         except BaseException as exc:
@@ -612,11 +612,3 @@ async def _store_get(store: Any, key: str, remaining: float | None, what: str, l
         return await _wait_job(job, None if remaining is None else remaining + 1.0, what, limit)  # type: ignore[no-any-return]
     finally:
         stop.set()
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
