@@ -50,7 +50,25 @@ STRATEGIES: tuple[Strategy, ...] = ("tensordict", "state_dict")
 
 
 class UseDefault(enum.Enum):
-    """The type of :data:`DEFAULT`."""
+    """The type of :data:`DEFAULT`: a ``timeout`` left at ``DEFAULT`` is the scheme's ``timeout`` option.
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        await scheme.send(timeout=DEFAULT)     # as send(): within the scheme's 10 s
+        await scheme.send(timeout=None)        # this call: no bound
+
+        async def push(timeout=DEFAULT):       # a helper of yours passes the default on
+            return await scheme.send(timeout=timeout)
+
+        print(await push(), repr(DEFAULT))     # 3 DEFAULT
+        await scheme.aclose()
+        await worker.aclose()
+    """
 
     DEFAULT = "DEFAULT"
 
