@@ -45,6 +45,7 @@ from .._errors import (
     SenderDiedError,
     SyncTimeoutError,
     WeightsError,
+    WorkerDiedError,
     WorkerGoneError,
     WorkerLeftError,
 )
