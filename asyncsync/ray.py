@@ -551,7 +551,7 @@ def _placement(scheme: DistributedWeightSyncScheme, nodes: Mapping[int, str] | S
     """``{host: node id}`` for every host of *scheme*, checked against the cluster before
     anything starts: living nodes, and a trainer address they can reach."""
     ray = _ray()
-    hosts = sorted(scheme.sender.hosts)
+    hosts = sorted(scheme.hosts)
     alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     here = ray.get_runtime_context().get_node_id()
     if nodes is None:

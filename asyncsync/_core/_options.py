@@ -181,7 +181,7 @@ def parse_worker_ids(
         if devices is not None:
             n = len(devices)
             if num_workers is not None and num_workers != n:
-                raise ValueError(f"num_workers={num_workers} but {n} devices were given")
+                raise ValueError(f"num_workers={num_workers} but {n} device{' was' if n == 1 else 's were'} given")
             candidates.append(list(range(n)))
         elif num_workers is not None:
             candidates.append(list(range(num_workers)))
@@ -196,7 +196,7 @@ def parse_worker_ids(
     if num_workers is not None and num_workers != len(ids):
         raise ValueError(f"num_workers={num_workers} but {len(ids)} worker ids were given")
     if devices is not None and not isinstance(devices, Mapping) and len(devices) != len(ids):
-        raise ValueError(f"{len(devices)} devices for {len(ids)} workers")
+        raise ValueError(f"{len(devices)} device{'' if len(devices) == 1 else 's'} for {len(ids)} worker{'' if len(ids) == 1 else 's'}")
     for i in ids:
         if not _is_index(i) or i < 0:
             raise ValueError(f"worker ids must be non-negative ints, got {i!r}")
