@@ -149,10 +149,11 @@ def test_repointed_model_gets_every_later_version_and_worker_shutdown_affects_on
     tag, values = workers[0].ask("shutdown")
     assert (tag, values) == ("closed", [1.0] * 4)  # keeps the version it runs
     set_version(policy, 2)
-    with pytest.raises(WorkerLeftError, match="worker 0"):
-        scheme.send()
-    assert scheme.send(worker_ids=[1]) == 2  # the refused send took no version
+    with pytest.raises(WorkerLeftError, match="worker 0") as left:
+        scheme.send()  # it still reaches the living worker
+    assert left.value.applied_by == (1,)
     assert workers[1].ask("state")[3:] == (2.0, 2.0)
+    assert scheme.send(worker_ids=[1]) == 3
 
 
 def test_policy_the_worker_calls_gets_each_version_after_its_tensors_are_replaced(cleanup: list[Any]) -> None:
