@@ -11,8 +11,10 @@ Example::
         await scheme.send()
 """
 
+from ._core._flat import flatten_parameters
 from ._core._layout import Layout, TensorSpec
-from ._dist._scheme import DistributedWeightSyncScheme
+from ._core._options import DEFAULT
+from ._core._sender import Sender
 from ._errors import (
     AsyncSyncError,
     AuthenticationError,
@@ -26,23 +28,23 @@ from ._errors import (
     WeightsError,
     WorkerDiedError,
     WorkerError,
+    WorkerGoneError,
     WorkerLeftError,
     WorkerProcessError,
     WouldBlock,
 )
-from ._core._flat import flatten_parameters
 from ._io._queues import AsyncQueue
 from ._local._attach import WorkerAddress
-from ._local._loopback import loopback_worker
 from ._local._receiver import Receiver
-from ._local._scheme import MultiProcessWeightSyncScheme
-from ._local._sender import Sender
-from ._local._workers import WorkerGroup, spawn_workers
+from ._schemes._dist import DistributedWeightSyncScheme
+from ._schemes._local import MultiProcessWeightSyncScheme, loopback_worker
 from ._stats import DistributedStatistics, HostStatistics, ReceiverStatistics, SenderStatistics, WorkerStatistics
+from ._workers import WorkerGroup, spawn_workers
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT",
     "AsyncQueue",
     "AsyncSyncError",
     "AuthenticationError",
@@ -67,6 +69,7 @@ __all__ = [
     "WorkerAddress",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerGoneError",
     "WorkerGroup",
     "WorkerLeftError",
     "WorkerProcessError",

@@ -6,9 +6,10 @@
     ├── ClosedError            you closed it (call after ``aclose()``)
     ├── WouldBlock             a ``*_nowait`` call found nothing to do
     ├── BrokenChannelError     the peer's end of a channel vanished
-    │   ├── WorkerDiedError    a worker process died (sender side)
-    │   │   ├── WorkerLeftError    its receiver ended while the process lives on
-    │   │   └── HostLostError      a remote host (its relay) is gone, with its workers
+    │   ├── WorkerGoneError    a worker is gone (sender side): catch this for all three
+    │   │   ├── WorkerDiedError    its process died, or the sender cut it off
+    │   │   ├── WorkerLeftError    its receiver ended cleanly while the process lives on
+    │   │   └── HostLostError      its remote host (the relay) is gone, with its workers
     │   ├── SenderDiedError    the trainer died (worker or relay side)
     │   ├── ProtocolError      a peer sent a malformed control message
     │   └── AuthenticationError    a control-plane peer failed the token challenge
@@ -37,6 +38,7 @@ __all__ = [
     "WeightsError",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerGoneError",
     "WorkerLeftError",
     "WorkerProcessError",
     "WouldBlock",
@@ -113,18 +115,52 @@ class BrokenChannelError(AsyncSyncError):
     """
 
 
-class WorkerDiedError(BrokenChannelError):
+class WorkerGoneError(BrokenChannelError):
+    """A worker is gone: its process died, it left, or its host was lost.
+
+    ``worker_idx`` names the worker, ``pid`` its process id when known, ``reason`` why it
+    is gone when known. ``applied_by``: raised by ``send``, ``wait_async`` or ``connect``,
+    the targets of that call that applied its version (a tuple of worker ids, in target
+    order; the message names them too). A worker that is gone never keeps the others
+    from a version: the call raises once every other target answered (or at its timeout,
+    naming the silent ones). None when it comes from elsewhere (``wait_joined``, a restart).
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=2)
+        workers = [loopback_worker(scheme, i) for i in range(2)]
+        for i, worker in enumerate(workers):
+            worker.init_on_receiver(worker_idx=i, model=make_policy())
+        await asyncio.gather(scheme.connect(), *(w.connect() for w in workers))
+        await workers[0].aclose()              # worker 0 leaves
+        try:
+            await scheme.send()
+        except WorkerGoneError as e:           # died, left or host lost: all three
+            print(type(e).__name__, e.applied_by)   # WorkerLeftError (1,)
+        await scheme.aclose()
+        await workers[1].aclose()
+    """
+
+    applied_by: tuple[Any, ...] | None = None
+
+    def __init__(self, worker_idx: Any, message: str, *, pid: int | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.worker_idx = worker_idx
+        self.pid = pid
+        self.reason = reason
+
+    def _sent_state(self) -> dict[str, Any]:
+        """What a pickled copy keeps beyond the arguments: ``applied_by``, and the message naming them."""
+        return {"applied_by": self.applied_by, "args": self.args}
+
+
+class WorkerDiedError(WorkerGoneError):
     """A worker process died or dropped its channel.
 
-    ``worker_idx`` names the worker, ``exitcode`` is its exit status when known
-    (negative: killed by that signal), ``pid`` its process id when known. ``reason`` is
-    set when the sender cut the channel itself (the worker sent a malformed message).
-
-    ``applied_by``: raised by ``send``, ``wait_async`` or ``connect``, the targets of that
-    call that applied its version (a tuple of worker ids, in target order; the message
-    names them too). A worker that is gone never keeps the others from a version: the
-    call raises once every other target answered (or at its timeout, naming the silent
-    ones). None when it comes from elsewhere (``wait_joined``, a restart).
+    ``exitcode`` is its exit status when known (negative: killed by that signal);
+    ``reason`` is set when the sender cut the channel itself (the worker sent a malformed
+    message). See :class:`WorkerGoneError` for ``worker_idx``, ``pid`` and ``applied_by``.
 
     Example::
 
@@ -146,26 +182,17 @@ class WorkerDiedError(BrokenChannelError):
         process.join()
     """
 
-    applied_by: tuple[Any, ...] | None = None
-
-    def __init__(self, worker_idx: int, exitcode: int | None = None, pid: int | None = None, reason: str | None = None) -> None:
-        self.worker_idx = worker_idx
+    def __init__(self, worker_idx: Any, exitcode: int | None = None, pid: int | None = None, reason: str | None = None) -> None:
         self.exitcode = exitcode
-        self.pid = pid
-        self.reason = reason
         code = "unknown" if exitcode is None else str(exitcode)
         who = f"worker {worker_idx}" + (f" (pid {pid})" if pid else "")
-        super().__init__(f"{who} died, exit code {code}" if reason is None else f"{who} was cut off: {reason}")
-
-    def _sent_state(self) -> dict[str, Any]:
-        """What a pickled copy keeps beyond the arguments: ``applied_by``, and the message naming them."""
-        return {"applied_by": self.applied_by, "args": self.args}
+        super().__init__(worker_idx, f"{who} died, exit code {code}" if reason is None else f"{who} was cut off: {reason}", pid=pid, reason=reason)
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), (self.worker_idx, self.exitcode, self.pid, self.reason), self._sent_state())
 
 
-class WorkerLeftError(WorkerDiedError):
+class WorkerLeftError(WorkerGoneError):
     """A worker's receiver ended (``aclose()``, a crash of its task) while its process lives on.
 
     ``reason`` says why; the worker kept its last weights (detached from shared memory).
@@ -185,17 +212,16 @@ class WorkerLeftError(WorkerDiedError):
         await scheme.aclose()
     """
 
-    def __init__(self, worker_idx: int, reason: str, version: int = -1, pid: int | None = None) -> None:
+    def __init__(self, worker_idx: Any, reason: str, version: int = -1, pid: int | None = None) -> None:
         self.version = version
-        super().__init__(worker_idx, None, pid, reason)
         who = f"worker {worker_idx}" + (f" (pid {pid})" if pid else "")
-        self.args = (f"{who} left at version {version}: {reason}",)
+        super().__init__(worker_idx, f"{who} left at version {version}: {reason}", pid=pid, reason=reason)
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), (self.worker_idx, self.reason, self.version, self.pid), self._sent_state())
 
 
-class HostLostError(WorkerDiedError):
+class HostLostError(WorkerGoneError):
     """A remote host's relay died, left or went silent: every worker of that host is gone.
 
     ``host`` names the host, ``worker_idx`` the ``(host, local index)`` of the worker a
@@ -215,9 +241,8 @@ class HostLostError(WorkerDiedError):
 
     def __init__(self, host: int, worker_idx: object, reason: str, pid: int | None = None) -> None:
         self.host = host
-        super().__init__(worker_idx, None, pid, reason)  # type: ignore[arg-type]
         relay = f"relay pid {pid}" if pid else "relay"
-        self.args = (f"host {host} ({relay}) is lost, and with it worker {worker_idx}: {reason}",)
+        super().__init__(worker_idx, f"host {host} ({relay}) is lost, and with it worker {worker_idx}: {reason}", pid=pid, reason=reason)
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (type(self), (self.host, self.worker_idx, self.reason, self.pid), self._sent_state())
@@ -236,7 +261,7 @@ class AuthenticationError(BrokenChannelError):
         common = dict(timeout=10, world_size=2, master_addr="127.0.0.1", master_port=port)
         trainer = DistributedWeightSyncScheme(rank=0, token="s3cret", **common)
         trainer.init_on_sender(model=make_policy(), hosts={1: 1})
-        await trainer.sender.start()                   # listening; no host yet
+        await trainer.listen()                         # listening; no host yet
         host = DistributedWeightSyncScheme(rank=1, token="guess", **common)
         host.init_on_relay(model=make_policy(), num_workers=1)
         try:
@@ -299,16 +324,17 @@ class ProtocolError(BrokenChannelError):
 
     Example::
 
-        scheme = MultiProcessWeightSyncScheme(timeout=10)
-        scheme.init_on_sender(model=make_policy(), num_workers=1)
-        # Something that is not an asyncsync worker writes on worker 0's channel:
-        scheme.sender.child_endpoints()[0].send_bytes(b"not an asyncsync message")
+        import multiprocessing
+        sender_end, worker_end = multiprocessing.Pipe()
+        receiver = Receiver(worker_end, worker_idx=0, model=make_policy(), strategy="tensordict", context=None,
+                            on_update=None, commit="swap", commit_mode="auto", timeout=10)
+        # Something that is not an asyncsync sender writes on the worker's channel:
+        sender_end.send_bytes(b"not an asyncsync message")
         try:
-            await scheme.connect()
-        except WorkerDiedError as e:           # the sender cut that worker off
-            assert isinstance(e.__cause__, ProtocolError)
-            print(e.__cause__)                 # frame: field 'magic': b'no' is not b'AS'
-        await scheme.aclose()
+            await receiver.connect()
+        except ProtocolError as e:             # the receiver closed the channel
+            print(e)                           # worker 0: the sender sent a malformed message (frame: ...)
+        await receiver.aclose()
     """
 
 

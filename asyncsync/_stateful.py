@@ -35,7 +35,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -43,10 +44,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 
 from ._core._ownership import set_debug, slot_bound
-from ._dist._scheme import DistributedWeightSyncScheme
-from ._errors import HostLostError, SenderDiedError, SyncTimeoutError, WorkerDiedError
-from ._local._loopback import loopback_worker
-from ._local._scheme import MultiProcessWeightSyncScheme
+from ._errors import HostLostError, SenderDiedError, SyncTimeoutError, WorkerGoneError
+from ._schemes._dist import DistributedWeightSyncScheme
+from ._schemes._local import MultiProcessWeightSyncScheme, loopback_worker
 from .testing import no_leaks
 
 KEYS = ("0.weight", "0.bias", "1.weight", "1.bias")
@@ -165,13 +165,15 @@ async def _start_worker(sender: MultiProcessWeightSyncScheme, idx: int, manual: 
     return _Worker(idx, scheme, model, poll)
 
 
-def _check_slots(sender: MultiProcessWeightSyncScheme, manual: bool) -> None:
-    """The ledger's invariants; slots kept for reuse were each allocated within the bound."""
-    s = sender.sender
-    s.ledger.check()
-    if sender.max_slots is None and sender.transport == "shm":
-        n = len(s.worker_ids)
-        assert len(s._pool.slots) <= max(sender.num_slots, slot_bound(n, manual, n, n)), len(s._pool.slots)
+def _check_slots(scheme: MultiProcessWeightSyncScheme, manual: bool, polled: int) -> None:
+    """The ledger's invariants; slots kept for reuse were each allocated within the bound
+    (*polled*: how many of the scheme's workers poll, each may hold one slot more)."""
+    assert scheme._transport is not None
+    scheme._transport.ledger.check()
+    if scheme.max_slots is None and scheme.transport == "shm":
+        n = len(scheme.sender.worker_ids)
+        slots = scheme.statistics().slots
+        assert slots <= max(scheme.num_slots, slot_bound(n, manual, n, n, polled=polled)), slots
 
 
 # ---------------------------------------------------------------------------- clusters
@@ -245,7 +247,7 @@ class LocalCluster:
         self.workers[unit] = await _start_worker(self.scheme, unit, self.manual, _recorder(self.seen, unit), unit in self.polled)  # type: ignore[arg-type]
 
     def check(self) -> None:
-        _check_slots(self.scheme, self.manual)
+        _check_slots(self.scheme, self.manual, len(self.polled))
 
     async def stop_trainer(self) -> None:
         await self.scheme.aclose()
@@ -398,7 +400,7 @@ class HostsCluster:
             await self.relays[h].aclose()
         else:
             await self.relays[h].relay._crash()
-        await self.trainer.sender.wait_lost(h, timeout=SETTLE)
+        await self.trainer.wait_lost(h, timeout=SETTLE)
         self._freeze(h)
         try:
             await self.trainer.wait_async(worker_ids=[(h, 0)], timeout=SETTLE)
@@ -416,7 +418,7 @@ class HostsCluster:
     def check(self) -> None:
         for relay in self.relays.values():
             if relay.relay._state == "running":
-                _check_slots(relay.local, self.manual)
+                _check_slots(relay.local, self.manual, 0 if self.polled_index is None else 1)
 
     async def stop_trainer(self) -> None:
         before = {h: self.trainer.statistics().host(h) for h in self.relays}
@@ -500,7 +502,7 @@ class ClusterMachine(RuleBasedStateMachine):
     def ok_errors(self, targets: list[Wid]) -> tuple[type[BaseException], ...]:
         errors: list[type[BaseException]] = [SyncTimeoutError]
         if any(t not in self.cluster.workers for t in targets):
-            errors.append(WorkerDiedError)  # HostLostError included
+            errors.append(WorkerGoneError)  # died, left or host lost
         return tuple(errors)
 
     def record(self, before: int, planned: dict[Wid, dict[str, float]]) -> None:

@@ -169,7 +169,7 @@ class HostStatistics:
 
         async with open_loopback_hosts(make_policy(), make_policy, hosts={1: 1}, timeout=10) as lh:
             await lh.hosts[1].aclose()                  # host 1 leaves
-            await lh.trainer.sender.wait_lost(1, timeout=10)
+            await lh.trainer.wait_lost(1, timeout=10)
             h = lh.trainer.statistics().host(1)
             print(h.state, h.connections, h.reason)   # left 1 its relay left: the relay closed
     """

@@ -62,10 +62,11 @@ import anyio
 import torch
 
 from ._core._layout import Layout
-from ._dist._scheme import DistributedWeightSyncScheme
+from ._core._offload import retrieve
 from ._errors import AsyncSyncError, HostLostError, SyncTimeoutError, WorkerProcessError
-from ._local._scheme import MultiProcessWeightSyncScheme
-from ._local._workers import exit_group
+from ._schemes._dist import DistributedWeightSyncScheme
+from ._schemes._local import MultiProcessWeightSyncScheme
+from ._workers import exit_group
 
 __all__ = ["RayHostGroup", "RayWorkerGroup", "start_workers"]
 
@@ -248,14 +249,14 @@ class _ActorGroup:
         one in its place, and return once it has applied the newest version it was sent."""
         ray = _ray()
         self.kill(worker_id)
-        acks = self.scheme.sender._acks
-        await acks.wait_gone([worker_id], timeout, f"waiting for worker {worker_id} to be declared dead")
+        sender = self.scheme.sender
+        await sender.wait_dead(worker_id, timeout)
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(asyncio.shield(self._runs[worker_id]), timeout)
         self._killed.discard(worker_id)
         self._respawn(ray, worker_id)
         await self._wait_started([worker_id])
-        await acks.wait_joined([worker_id], timeout, f"waiting for worker {worker_id} to join")
+        await sender.wait_joined(worker_id, timeout)
 
     def _respawn(self, ray: Any, worker_id: Any) -> None:
         raise NotImplementedError
@@ -370,7 +371,7 @@ class RayHostGroup(_ActorGroup):
             async with scheme:
                 await scheme.send()
                 group.kill_host(1)                      # a fault test: host 1's relay dies
-                await scheme.sender.wait_lost(1, timeout=30)
+                await scheme.wait_lost(1, timeout=30)
                 await scheme.send(worker_ids=[(2, 0)])  # host 2 goes on
         print(group.results)                            # {(2, 0): ...}: host 1's are not reported
     """
@@ -404,10 +405,9 @@ class RayHostGroup(_ActorGroup):
         host's workers next to it; return once every actor runs (the relays then join the
         trainer, which ``async with scheme`` waits for)."""
         ray = _ray()
-        sender = self.scheme.sender
-        await sender.start()  # listen, and publish the control address in the store
+        await self.scheme.listen()  # and publish the control address in the store
         settings = self.scheme._relay_kwargs()
-        layout = sender._source_layout
+        layout = self.scheme._source_layout
         counts: dict[int, int] = {}
         for h, _ in self.worker_ids:
             counts[h] = counts.get(h, 0) + 1
@@ -551,7 +551,7 @@ def _placement(scheme: DistributedWeightSyncScheme, nodes: Mapping[int, str] | S
     """``{host: node id}`` for every host of *scheme*, checked against the cluster before
     anything starts: living nodes, and a trainer address they can reach."""
     ray = _ray()
-    hosts = sorted(scheme.sender.hosts)
+    hosts = sorted(scheme.hosts)
     alive = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     here = ray.get_runtime_context().get_node_id()
     if nodes is None:
@@ -608,17 +608,12 @@ async def _wait_exited(pids: list[int], timeout: float) -> None:
 def _run(ref: Any) -> asyncio.Future[Any]:
     """An actor method's call as a future whose failure is retrieved (joins report it)."""
     fut = asyncio.ensure_future(_awaited(ref))
-    fut.add_done_callback(_retrieve)
+    fut.add_done_callback(retrieve)
     return fut
 
 
 async def _awaited(ref: Any) -> Any:
     return await ref
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _failed(fut: asyncio.Future[Any]) -> bool:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ._errors import AsyncSyncError
-from ._local._scheme import MultiProcessWeightSyncScheme
-from ._local._workers import spawn_workers
+from ._schemes._local import MultiProcessWeightSyncScheme
+from ._workers import spawn_workers
 from .testing import LeakError, no_leaks
 
 __all__ = ["main", "soak"]

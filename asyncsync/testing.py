@@ -45,13 +45,12 @@ from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from ._core._signal import Signal
-from ._dist._scheme import DistributedWeightSyncScheme
 from ._errors import SyncTimeoutError, WorkerDiedError
 from ._local._faults import FaultHook, installed, run_with_faults
-from ._local._loopback import loopback_worker
 from ._local._receiver import OnUpdate
-from ._local._scheme import MultiProcessWeightSyncScheme
-from ._local._workers import START_TIMEOUT, WorkerGroup, _Outcome
+from ._schemes._dist import DistributedWeightSyncScheme
+from ._schemes._local import MultiProcessWeightSyncScheme, loopback_worker
+from ._workers import START_TIMEOUT, WorkerGroup, _Outcome
 
 __all__ = [
     "Faults",

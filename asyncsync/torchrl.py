@@ -59,10 +59,12 @@ except ImportError as exc:  # pragma: no cover - exercised where torchrl is abse
         "pip replaces a newer tensordict with 0.14.3)"
     ) from exc
 
-from ._core._strategy import resolve_model, to_flat
+from ._core._offload import retrieve
+from ._core._options import DEFAULT, UseDefault, resolve_timeout
+from ._core._weights import resolve_model, to_flat
 from ._errors import SyncTimeoutError
 from ._io._loop_thread import SHUTDOWN_TIMEOUT_S, LoopThread
-from ._local._scheme import MultiProcessWeightSyncScheme
+from ._schemes._local import MultiProcessWeightSyncScheme
 from ._stats import ReceiverStatistics, SenderStatistics
 
 __all__ = ["AsyncSyncScheme"]
@@ -70,7 +72,6 @@ __all__ = ["AsyncSyncScheme"]
 logger = logging.getLogger("asyncsync")
 
 T = TypeVar("T")
-_DEFAULT: Any = ...
 #: How long shutdown() waits for asyncsync to close before it gives up (it never raises).
 
 
@@ -242,7 +243,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             # each send bounds its own wait for this; a worker that dies meanwhile is named at once.
             connect = self._inner.connect(timeout=None) if first is None else self._inner.sender.connect(timeout=None, weights=first)
             task = asyncio.get_running_loop().create_task(connect, name="asyncsync-torchrl-connect")
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
             return task
 
         self._connecting = loop.run(start(), None)
@@ -255,7 +256,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
                 raise SyncTimeoutError("the workers' initial weights", {}, timeout)
         self._connecting.result()  # the connect error (a dead or rejecting worker), at every call
 
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None, *, timeout: float | None = _DEFAULT) -> int:
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """Push weights (None: ``context.<model_id>``) to the workers; return the version.
 
         Synchronous, from any thread (never the scheme's own). With ``sync=True`` it
@@ -266,7 +267,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         """
         return self._trainer_loop().run(self._send(weights, worker_ids, timeout), self._outer_bound(timeout))
 
-    async def asend(self, weights: Any = None, worker_ids: int | list[int] | None = None, *, timeout: float | None = _DEFAULT) -> int:
+    async def asend(self, weights: Any = None, worker_ids: int | list[int] | None = None, *, timeout: float | None | UseDefault = DEFAULT) -> int:
         """:meth:`send` for an asyncio trainer: awaits the scheme's thread, never blocks the caller's loop.
 
         Example::
@@ -280,22 +281,22 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         assert origin is not None
         if _per_worker(weights):
             targets = origin.per_worker_targets(weights, worker_ids)  # refused before any wait
-            await self._connected(self.timeout if timeout is _DEFAULT else timeout)
+            await self._connected(self.timeout if timeout is DEFAULT else timeout)
             async with origin.holding(weights, targets):
                 return await self._inner.send(None, targets, timeout=timeout)
         if weights is None:
             weights = origin.default()  # None: the inner scheme reads its configured source
-        await self._connected(self.timeout if timeout is _DEFAULT else timeout)
+        await self._connected(self.timeout if timeout is DEFAULT else timeout)
         if weights is None and origin.sources is not None:
             async with origin.holding({}, []):  # params_map: no per-worker send is swapped in meanwhile
                 return await self._inner.send(None, worker_ids, timeout=timeout)
         return await self._inner.send(weights, worker_ids, timeout=timeout)
 
-    def wait_async(self, version: int | None = None, worker_ids: int | Iterable[int] | None = None, *, quorum: int | None = None, timeout: float | None = _DEFAULT) -> None:
+    def wait_async(self, version: int | None = None, worker_ids: int | Iterable[int] | None = None, *, quorum: int | None = None, timeout: float | None | UseDefault = DEFAULT) -> None:
         """Trainer: block until the targeted workers run *version* (default: the newest sent)."""
 
         async def wait() -> None:
-            await self._connected(self.timeout if timeout is _DEFAULT else timeout)
+            await self._connected(self.timeout if timeout is DEFAULT else timeout)
             await self._inner.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
 
         self._trainer_loop().run(wait(), self._outer_bound(timeout))
@@ -308,7 +309,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         return self._loop
 
     def _outer_bound(self, timeout: float | None) -> float | None:
-        limit = self.timeout if timeout is _DEFAULT else timeout
+        limit = self.timeout if timeout is DEFAULT else timeout
         return None if limit is None else 2 * limit + 5.0  # asyncsync's own timeout fires first
 
     # ------------------------------------------------------------------ both sides
@@ -391,7 +392,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
         loop = self._start_loop(f"asyncsync-torchrl-worker-{idx}")
         self._gate = _Gate()
         try:
-            loop.run(self._receiver_connect(idx, model), self._outer_bound(_DEFAULT))
+            loop.run(self._receiver_connect(idx, model), self._outer_bound(DEFAULT))
         except BaseException:
             self.shutdown()
             raise
@@ -452,8 +453,11 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             with contextlib.suppress(ValueError):  # it cannot hold them: the worker left at the commit that found it
                 _copy(_copies(self._bound, self._hooked))
 
-    def receive(self, timeout: float | None = None) -> Any:
+    def receive(self, timeout: float | None | UseDefault = DEFAULT) -> Any:
         """Commit the newest staged version now, if one waits; return its weights, else None.
+
+        *timeout* bounds the wait for the commit (the scheme's by default, ``None``: no
+        bound, ``0``: do not wait), as every asyncsync wait.
 
         Commits also happen by themselves (between forward passes); this is for a loop
         that wants the newest weights at a point of its choosing. Called from inside a
@@ -465,7 +469,7 @@ class AsyncSyncScheme(WeightSyncScheme):  # type: ignore[misc]
             raise RuntimeError("Must be synchronized on receiver before receiving weights")
         if self._gate.held_here():
             return None
-        version = self._loop.run(self._commit_pending(), timeout if timeout else self.timeout)
+        version = self._loop.run(self._commit_pending(), resolve_timeout(timeout, self.timeout))
         if version is None:
             return None
         from tensordict import TensorDict
@@ -757,11 +761,6 @@ class _Gate:
 
 async def _value(fn: Callable[[], T]) -> T:
     return fn()
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # seen by the next send(); not "never retrieved"
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -208,7 +208,7 @@ async def _trainer(port: int, nccl: bool, chunk_bytes: int, n_params: int, sends
     scheme.init_on_sender(model=model, hosts={1: 1, 2: 1})
     times = []
     async with scheme:
-        snapshot_on = str(scheme.sender._xfer.bufs[0].tensor.device)
+        snapshot_on = str(scheme._transport._snapshots.bufs[0].tensor.device)
         for k in range(1, sends + 1):
             with torch.no_grad():
                 for p in model.parameters():
@@ -382,9 +382,9 @@ async def device_steps(n_bytes: int, chunk_bytes: int) -> dict[str, object]:
                 p.fill_(3.0)
         scheme.init_on_sender(model=model, hosts={1: 1})
         sender = scheme.sender
-        snap = sender._xfer._free_buf()
+        snap = scheme._transport._snapshots.reserve()
         torch.cuda._sleep(5_000_000)  # queued work ahead of the copy: the snapshot must wait for it
-        await sender._xfer._write(snap, sender._flat(None, False), None)
+        await scheme._transport._xfer._write(snap, scheme._transport._delivery.read(None, scheme.sender.worker_ids, False)[0][0], None)
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(4.0)

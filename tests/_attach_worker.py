@@ -19,7 +19,6 @@ from torch import nn
 
 from asyncsync import AsyncSyncError, MultiProcessWeightSyncScheme
 
-
 _sink: Any = None  # a multiprocessing Connection when started by run_forked, else stdout
 
 

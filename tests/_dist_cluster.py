@@ -7,7 +7,7 @@ import socket
 from typing import Any
 
 from asyncsync import AsyncQueue, DistributedWeightSyncScheme, spawn_workers
-from asyncsync._local._workers import START_TIMEOUT
+from asyncsync._workers import START_TIMEOUT
 from tests._dist_targets import relay_host
 from tests._targets import make_model
 from tests.conftest import Probe

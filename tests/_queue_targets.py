@@ -10,6 +10,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 from typing import Any
 
+from asyncsync import WouldBlock
 from asyncsync._io._queues import AsyncQueue
 
 
@@ -64,12 +65,22 @@ def echo(inp: Connection, out: Connection) -> None:
             break
 
 
+async def _nowait_fds(q: AsyncQueue[Any], count: int) -> list[int]:
+    """``receive_fds_nowait`` until the descriptors are here (WouldBlock until then)."""
+    while True:
+        try:
+            return q.receive_fds_nowait(count)
+        except WouldBlock:
+            await asyncio.sleep(0.001)
+
+
 def fd_reader(conn: Connection, mode: str) -> None:
     """Read ``("big", bytes)``, ``("fds", n)`` (then n descriptors), ``("msg", x)`` until ``("stop",)``.
 
     Reports what it saw, reading the first bytes of each received file. *mode* is
-    ``recv_fds`` or ``receive_fds`` (an AsyncQueue) or ``plain`` (Connection.recv and
-    multiprocessing.reduction.recvfds).
+    ``receive_fds_nowait`` (an AsyncQueue, trying again while it raises WouldBlock: the
+    descriptors have not arrived yet) or ``receive_fds`` (an AsyncQueue, waiting in the
+    loop) or ``plain`` (Connection.recv and multiprocessing.reduction.recvfds).
     """
     report: list[tuple[Any, ...]] = []
 
@@ -105,7 +116,7 @@ def fd_reader(conn: Connection, mode: str) -> None:
                 break
             fds = None
             if msg[0] == "fds":
-                fds = q.recv_fds(msg[1]) if mode == "recv_fds" else await q.receive_fds(msg[1])
+                fds = await _nowait_fds(q, msg[1]) if mode == "receive_fds_nowait" else await q.receive_fds(msg[1])
             note(msg, fds)
         await q.put(report)
         await q.flush()

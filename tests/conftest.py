@@ -59,7 +59,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ["ASYNCSYNC_START_METHOD"] == "forkserver" and not _distributing(session.config):
         from multiprocessing import forkserver
 
-        from asyncsync._local._workers import FORKSERVER_PRELOAD
+        from asyncsync._workers import FORKSERVER_PRELOAD
 
         unset = mp.get_start_method(allow_none=True) is None
         # tests._forkserver_stdio: the workers it forks write where this process does (pytest's capture)

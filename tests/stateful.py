@@ -35,12 +35,15 @@ from asyncsync import (
     MultiProcessWeightSyncScheme,
     SyncTimeoutError,
     WorkerDiedError,
+    WorkerGoneError,
+    WorkerLeftError,
     loopback_worker,
 )
 from asyncsync._core._ownership import set_debug, slot_bound
 from asyncsync._stateful import KEYS, SHORT, check_version, content, fill, gate_receive, make_model, run_without_leaks
 
 HANG = 10.0  # a call that outlives its own timeout by this much is a hang
+GONE_ERRORS: dict[str, type[WorkerGoneError]] = {"dead": WorkerDiedError, "left": WorkerLeftError}
 
 
 class _Worker:
@@ -124,9 +127,14 @@ class SyncMachine(RuleBasedStateMachine):
         await connecting
 
     def sender_ok_errors(self, targets: list[int]) -> tuple[type[BaseException], ...]:
+        """A timeout, or the departure of a target that is gone, named for how it went: a
+        killed worker died (:class:`WorkerDiedError`), one that closed its receiver left
+        (:class:`WorkerLeftError`)."""
         errors: list[type[BaseException]] = [SyncTimeoutError]
-        if any(self.workers[i].state != "running" for i in targets):
-            errors.append(WorkerDiedError)
+        for i in targets:
+            gone = GONE_ERRORS.get(self.workers[i].state)
+            if gone is not None and gone not in errors:
+                errors.append(gone)
         return tuple(errors)
 
     # ----------------------------------------------------------------- set-up
@@ -340,16 +348,17 @@ class SyncMachine(RuleBasedStateMachine):
     def slots_within_bound(self) -> None:
         if self.scheme is None or self.closed:
             return
-        sender = self.scheme.sender
-        ledger = sender.ledger
+        assert self.scheme._transport is not None
+        ledger = self.scheme._transport.ledger  # slot ownership, checked on purpose
         ledger.check()
         latest = len({r.slot for r in ledger.latest.values()})
         if self.scheme.max_slots is None:
             n = len(self.params_map)
+            slots = self.scheme.statistics().slots  # allocated now
             if self.scheme.transport == "queue":  # freed once released: the bound of the owners now
-                assert len(sender._pool.slots) <= slot_bound(n, self.manual, latest, 1)
+                assert slots <= slot_bound(n, self.manual, latest, 1)
             else:  # kept for reuse: each was allocated within the bound of its time (checked then)
-                assert len(sender._pool.slots) <= max(self.scheme.num_slots, slot_bound(n, self.manual, n, n))
+                assert slots <= max(self.scheme.num_slots, slot_bound(n, self.manual, n, n))
 
     def teardown(self) -> None:
         try:
@@ -529,7 +538,7 @@ class ProcessMachine(RuleBasedStateMachine):
         if self.cluster is None:
             return
         ProcessMachine.steps += 1
-        self.cluster.scheme.sender.ledger.check()
+        self.cluster.scheme._transport.ledger.check()  # type: ignore[union-attr]
         for i, state in self.state.items():
             if state != "running":
                 continue

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from asyncsync import (
-    AuthenticationError,
     ClosedError,
     MultiProcessWeightSyncScheme,
     SenderDiedError,
@@ -173,8 +172,7 @@ async def test_a_late_worker_gets_the_newest_version_first() -> None:
     model = nn.Linear(4, 4)
     scheme = MultiProcessWeightSyncScheme(timeout=60)
     scheme.init_on_sender(model=model, num_workers=1)
-    address = await scheme.listen()
-    scheme.sender.start()
+    address = await scheme.listen()  # the trainer's side runs from here: sends go out before anyone attaches
     try:
         for v in range(4):  # versions 0..3 while nobody is attached
             fill_(model, float(v))
@@ -223,8 +221,7 @@ async def test_an_unknown_or_taken_index_is_refused_naming_it() -> None:
     first = MultiProcessWeightSyncScheme.attach(address, worker_idx=1)
     first.init_on_receiver(model=nn.Linear(4, 4))
     try:
-        scheme.sender.start()
-        await scheme.send_async()
+        await scheme.send_async()  # listen() started the trainer's side
         await first.connect()
         second = MultiProcessWeightSyncScheme.attach(address, worker_idx=1)
         second.init_on_receiver(model=nn.Linear(4, 4))
@@ -259,8 +256,7 @@ async def test_a_started_child_that_has_not_said_hello_keeps_its_index() -> None
     address = await scheme.listen()
     r, w = os.pipe()
     try:
-        scheme.sender.start()
-        await scheme.send_async()  # version 0
+        await scheme.send_async()  # version 0 (listen() started the trainer's side)
         scheme.watch_process(0, _StartingChild(r))
         intruder = MultiProcessWeightSyncScheme.attach(address, worker_idx=0)
         intruder.init_on_receiver(model=nn.Linear(4, 4))
@@ -321,7 +317,7 @@ async def test_an_attached_worker_sees_the_trainer_die() -> None:
     worker.init_on_receiver(model=nn.Linear(4, 4))
     try:
         await asyncio.gather(scheme.connect(), worker.connect())
-        await scheme.sender.aclose(stop=False)  # the channel ends without a Stop: as if the trainer died
+        await scheme._transport.aclose(10, stop=False)  # the channel ends without a Stop: as if the trainer died
         with pytest.raises(SenderDiedError):
             await asyncio.wait_for(worker.wait_stopped(), 30)
     finally:

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from asyncsync import HostLostError, WorkerDiedError, WorkerLeftError, spawn_workers
+from asyncsync import HostLostError, WorkerDiedError, WorkerGoneError, WorkerLeftError, spawn_workers
 from asyncsync.testing import open_loopback_hosts
 from tests._targets import fill_, make_model, probe_worker
 from tests.conftest import CTX, Cluster, Probe
@@ -77,7 +77,7 @@ async def test_a_remote_worker_that_left_keeps_its_applied_version_and_waits_do_
 
         # The host goes: its workers are lost, and keep what they applied.
         await lh.hosts[1].aclose()
-        await trainer.sender.wait_lost(1, timeout=30)
+        await trainer.wait_lost(1, timeout=30)
         assert trainer.sender.applied_versions() == {(1, 0): v, (1, 1): 0}
         assert trainer.statistics().worker((1, 0)).state == "dead"
         with pytest.raises(HostLostError):
@@ -96,7 +96,7 @@ async def _holds(c: Cluster, i: int, version: int, value: float) -> bool:
     return v == version and all(bool((t == value).all()) for t in sd.values())
 
 
-async def _during_then_before(c: Cluster, depart: Callable[[], Awaitable[object]], error: type[WorkerDiedError]) -> WorkerDiedError:
+async def _during_then_before(c: Cluster, depart: Callable[[], Awaitable[object]], error: type[WorkerGoneError]) -> WorkerGoneError:
     """Worker 0 departs (*depart*) while a send to every worker waits (worker 1's loop is
     stuck), then another send goes out: each raises *error* naming worker 0 once workers 1
     and 2 applied its version, which they hold. Returns the second error."""
@@ -158,7 +158,7 @@ async def test_a_send_reaches_the_living_whether_a_worker_died_before_or_during_
             c.groups[0].kill(0)
 
         died = await _during_then_before(c, kill, WorkerDiedError)
-        assert died.exitcode == -9
+        assert isinstance(died, WorkerDiedError) and died.exitcode == -9
         # (pickled, as an error travels between processes, it says the same)
         copy = pickle.loads(pickle.dumps(died))
         assert (type(copy), copy.applied_by, str(copy)) == (WorkerDiedError, (1, 2), str(died))
@@ -182,7 +182,7 @@ async def test_a_send_across_hosts_reaches_the_living_when_a_remote_worker_left_
         assert trainer.sender.applied_versions() == {(1, 0): v, (1, 1): 0, (2, 0): v}
 
         await lh.hosts[2].aclose()
-        await trainer.sender.wait_lost(2, timeout=30)
+        await trainer.wait_lost(2, timeout=30)
         with pytest.raises(HostLostError) as lost:
             await trainer.send(worker_ids=[(2, 0), (1, 0)])
         assert (lost.value.host, lost.value.applied_by) == (2, ((1, 0),))

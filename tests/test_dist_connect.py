@@ -232,7 +232,7 @@ async def test_a_relay_that_gives_up_on_a_silent_trainer_ends_the_connection_and
         assert all(o == 0 or isinstance(o, SenderDiedError) for o in outcomes[1:]), outcomes
         with pytest.raises(SenderDiedError, match="host 1: the trainer is gone .*sent nothing for 0.5 s"):
             await relay.wait_stopped()
-        await trainer.sender.wait_lost(1, timeout=20)
+        await trainer.wait_lost(1, timeout=20)
         with pytest.raises(HostLostError, match="host 1 .* is lost") as info:
             await trainer.send(timeout=20)
         assert info.value.host == 1

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from asyncsync import AsyncQueue, HostLostError, WorkerDiedError, spawn_workers
-from asyncsync._local._workers import START_TIMEOUT
+from asyncsync._workers import START_TIMEOUT
 from tests._dist_cluster import TOKEN, DistCluster, free_port
 from tests._dist_targets import dist_trainer, relay_host
 from tests._targets import fill_
@@ -68,14 +68,19 @@ async def test_1_relay_killed_mid_broadcast_is_named_and_group_reforms(fc: DistC
 async def test_2_restarted_host_rejoins_with_the_latest_weights_then_its_worker_dies(fc: DistCluster) -> None:
     c = fc
     assert c.scheme.statistics().host(2).state == "dead"
-    c.scheme.sender.on_worker_error = "skip"  # sends go on to the living
+    # The options are fixed when the scheme is made ("raise", which test 1 needs): the send
+    # goes on to the living host and names the dead one; it is host 2's newest version all the same.
     fill_(c.model, 4.0)
-    v_latest = await c.scheme.send()
+    with pytest.raises(HostLostError) as lost:
+        await c.scheme.send()
+    v_latest = c.scheme.version
+    assert lost.value.host == 2 and lost.value.applied_by == ((1, 0),)
+    assert c.scheme.sender.sent_version((2, 0)) == v_latest
     await c.hosts[2].aclose()
     c.spawn_host(2)
     await c.hosts[2].started()
     await c.hosts[2].joined()
-    await c.scheme.sender.wait_joined(2, timeout=30)
+    await c.scheme.wait_host_joined(2, timeout=30)
     version, sd = await c.state((2, 0))
     assert version == v_latest and all(bool((t == 4.0).all()) for t in sd.values())
     assert await c.hosts[2].probes[0].ask("updates") == [v_latest]  # nothing older, ever
@@ -86,7 +91,6 @@ async def test_2_restarted_host_rejoins_with_the_latest_weights_then_its_worker_
     assert set(c.scheme.sender.applied_versions().values()) == {v}
 
     # then a remote worker dies: its relay tells the trainer, which names host and worker
-    c.scheme.sender.on_worker_error = "raise"
     relay = psutil.Process(c.hosts[2].group.processes[2].pid)
     (worker,) = [p for p in relay.children() if "resource_tracker" not in " ".join(p.cmdline())]
     worker.kill()
@@ -103,7 +107,7 @@ async def test_2_restarted_host_rejoins_with_the_latest_weights_then_its_worker_
     assert (await c.state((1, 0)))[0] == v
     # this test's processes end with it
     c.hosts[2].group.kill(2)
-    await c.scheme.sender.wait_lost(2, timeout=30)
+    await c.scheme.wait_lost(2, timeout=30)
     await c.hosts[2].aclose()
 
 

@@ -95,7 +95,8 @@ async def test_device_path_round_trip_subsets_and_partial_on_a_cpu_stand_in() ->
     CPU memory: broadcasts, point-to-point sends to a subset and partial updates, in chunks."""
     async with trio(torch.device("cpu"), chunk_bytes=256) as (trainer, model, relay, worker, local):
         await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
-        assert trainer.sender._group is not None and trainer.sender._group.device == torch.device("cpu")
+        group = trainer._transport.group  # the weight-sync group: a transport seam
+        assert group is not None and group.device == torch.device("cpu")
         fill_(model, 3.0)
         v = await trainer.send(worker_ids=[(1, 0)])
         assert worker.version == v and all(bool((p == 3.0).all()) for p in local.parameters())
@@ -262,7 +263,7 @@ async def test_after_a_rejoin_a_partial_goes_whole_to_a_worker_that_lacks_its_ba
         v = await trainer.send(weights={"2.bias": torch.full((3,), 9.0)}, worker_ids=[(1, 1)], partial=True)
         assert trainer.statistics().last_send_bytes == 3 * 4  # a delta: (1, 1) holds version 0
         await relays[0].relay._crash()
-        await trainer.sender.wait_lost(1, timeout=10)
+        await trainer.wait_lost(1, timeout=10)
         models = await join()
         await trainer.wait_async(worker_ids=[(1, 0), (1, 1)])
         assert workers[-1].version == v and workers[-2].version == 0
@@ -389,11 +390,11 @@ async def test_a_relay_with_another_model_is_refused_with_the_reason() -> None:
     trainer.init_on_sender(model=make_model(), hosts={1: 1})
     relay = DistributedWeightSyncScheme(rank=1, **common)
     relay.init_on_relay(model=make_model("wide"), num_workers=1)
-    await trainer.sender.start()
+    await trainer.listen()
     try:
         with pytest.raises(ValueError, match="host 1: the trainer's weights do not fit this host's model"):
             await relay.connect()
-        await trainer.sender.wait_lost(1, timeout=30)
+        await trainer.wait_lost(1, timeout=30)
         host = trainer.statistics().host(1)
         assert host.state == "dead" and "its relay refused the trainer's weights: host 1: the trainer's weights do not fit" in str(host.reason)
     finally:
@@ -408,7 +409,7 @@ async def test_a_relay_that_leaves_is_named_as_left() -> None:
     async with trio() as (trainer, _model, relay, worker, _local):
         await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
         await relay.aclose()  # the host leaves: its workers are stopped, keeping their weights
-        await trainer.sender.wait_lost(1, timeout=30)
+        await trainer.wait_lost(1, timeout=30)
         stats = trainer.statistics()
         assert stats.host(1).state == "left" and "its relay left: the relay closed" in str(stats.host(1).reason)
         with pytest.raises(HostLostError, match="host 1 .* is lost, and with it worker \\(1, 0\\): its relay left"):
@@ -427,9 +428,8 @@ async def test_a_silent_relay_is_declared_lost() -> None:
         rank=0, timeout=30, token="t0ken", world_size=2, master_addr="127.0.0.1", master_port=port, heartbeat=0.2, silence_timeout=1.0
     )
     trainer.init_on_sender(model=make_model(), hosts={1: 1})
-    await trainer.sender.start()
-    assert trainer.sender.address is not None
-    reader, writer = await asyncio.open_connection(*trainer.sender.address)
+    address = await trainer.listen()
+    reader, writer = await asyncio.open_connection(*address)
     try:
         challenge = decode_to_relay(await reader.readexactly(40))
         assert isinstance(challenge, Challenge)
@@ -438,7 +438,7 @@ async def test_a_silent_relay_is_declared_lost() -> None:
         header = await reader.readexactly(8)
         setup = decode_to_relay(header + await reader.readexactly(int.from_bytes(header[4:], "big")))
         assert isinstance(setup, Setup) and setup.layout == trainer.sender.layout
-        await trainer.sender.wait_lost(1, timeout=30)  # ...and now it says nothing
+        await trainer.wait_lost(1, timeout=30)  # ...and now it says nothing
         host = trainer.statistics().host(1)
         assert host.state == "dead" and "sent nothing for 1.0 s (no heartbeat)" in str(host.reason)
     finally:
@@ -468,7 +468,7 @@ async def test_a_partial_update_is_whole_to_a_host_that_did_not_publish_its_base
     and the worker would reject it."""
     async with trio() as (trainer, model, relay, worker, local):
         await asyncio.gather(trainer.connect(), relay.connect(), worker.connect())
-        relay_local = relay.relay.local
+        relay_local = relay.relay.landing  # the relay's local transport: where landings are reserved
         fill_(model, 1.0)
         assert await trainer.send() == 1
         real = relay_local.reserve
@@ -488,8 +488,9 @@ async def test_a_partial_update_is_whole_to_a_host_that_did_not_publish_its_base
         relay_local.reserve = reserve  # type: ignore[method-assign]
         fill_(model, 2.0)
         assert await trainer.send_async() == 2
-        host = trainer.sender._hosts[1]
-        assert await trainer.sender._changed.wait_until(lambda: bool(lost) and not host.busy and not host.pending, 10)
+        remote = trainer._transport
+        host = remote.host(1)
+        assert await remote._delivery.changed.wait_until(lambda: bool(lost) and not host.busy and not remote._snapshots.pending.get(1), 10)
         assert worker.version == 1
         v = await trainer.send(weights={"0.bias": torch.zeros(16)}, partial=True, timeout=10)
         assert worker.version == v == 3

@@ -152,8 +152,8 @@ async def test_bad_calls_send_nothing(dc: DistCluster) -> None:
 
 
 async def _raw(dc: DistCluster) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    assert dc.scheme.sender.address is not None
-    return await asyncio.open_connection(*dc.scheme.sender.address)
+    address = await dc.scheme.listen()  # connected already: the control address it listens on
+    return await asyncio.open_connection(*address)
 
 
 async def _closed(reader: asyncio.StreamReader) -> bool:

@@ -142,7 +142,7 @@ async def test_a_relay_that_leaves_is_not_told_its_trainer_died() -> None:
         real_drain = stream.drain
 
         async def drain_after_the_trainer_closed() -> None:
-            await lh.trainer.sender.wait_lost(1, timeout=20)
+            await lh.trainer.wait_lost(1, timeout=20)
             await wait_all_tasks_blocked()  # the relay's reader saw the connection end
             await real_drain()
 

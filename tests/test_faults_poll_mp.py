@@ -70,6 +70,8 @@ async def test_a_polled_worker_holds_its_version_under_delay_acks(asyncsync_work
             await scheme.wait_async(version)  # its first poll after the block applies it
             assert scheme.sender.applied_versions() == {0: 1, 1: 1}
             await workers.faults.kill(1)
-            with pytest.raises(WorkerDiedError, match="worker 1"):
-                await scheme.send()  # the living worker still gets it
+            # A send to both delivers to the living worker; its wait names the dead one.
+            with pytest.raises(WorkerDiedError, match="worker 1") as died:
+                await scheme.send()
+            assert died.value.applied_by == (0,)
     assert workers.results == {0: (2, [])}

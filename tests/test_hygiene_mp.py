@@ -226,7 +226,7 @@ async def main():
     async with open_loopback_hosts(make_model(), make_model, hosts={1: 1, 2: 1}, timeout=30) as lh:
         await lh.trainer.send()
         await lh.hosts[1].aclose()  # host 1's relay leaves
-        await lh.trainer.sender.wait_lost(1, timeout=30)
+        await lh.trainer.wait_lost(1, timeout=30)
         try:
             await lh.trainer.send()
         except HostLostError:

@@ -13,7 +13,6 @@ from anyio import wait_all_tasks_blocked
 from asyncsync import (
     MultiProcessWeightSyncScheme,
     SyncTimeoutError,
-    WorkerDiedError,
     WorkerError,
     WorkerLeftError,
     spawn_workers,
@@ -229,9 +228,10 @@ async def test_a_dead_worker_is_named_and_its_slots_return() -> None:
             await scheme.send_async()
         c.groups[1].kill(1)
         await scheme.sender.wait_dead(1, timeout=10)
-        assert isinstance(scheme.sender._workers[1].death, WorkerDiedError)
-        held = {s for s in scheme.sender.ledger.owned()}
-        assert all("worker 1 live" not in scheme.sender.ledger.owners(s) for s in held)
+        assert scheme.statistics().worker(1).state == "dead"  # died (a WorkerDiedError), not left
+        ledger = scheme._transport.ledger
+        held = {s for s in ledger.owned()}
+        assert all("worker 1 live" not in ledger.owners(s) for s in held)
         fill_(model, 9.0)
         v = await scheme.send()
         version, sd = await c.state(0)

@@ -22,8 +22,8 @@ import pytest
 from asyncsync import MultiProcessWeightSyncScheme
 from asyncsync._core import _ownership
 from asyncsync._core._ownership import InvariantError, Ref, SlotLedger, slot_bound
-from asyncsync._local import _poll
-from asyncsync._local._poll import MAILBOX_BYTES, Mailbox, Wake
+from asyncsync._local import _mailbox as _poll
+from asyncsync._local._mailbox import MAILBOX_BYTES, Mailbox, Wake
 from asyncsync.testing import loopback_worker
 from tests._targets import make_model
 
@@ -201,7 +201,7 @@ async def test_a_worker_that_takes_the_new_version_while_the_sender_replaces_the
     past version 1 (whose slot it lets go) and that ack, in that order."""
     async with _polled_loopback() as (scheme, receiver):
         await scheme.send_async()  # version 1: in the mailbox
-        mailbox = scheme.sender._workers[0].link.mailbox
+        mailbox = scheme._transport._workers[0].link.mailbox
         real = mailbox.claimed
 
         def worker_polls_first() -> int:
@@ -210,7 +210,7 @@ async def test_a_worker_that_takes_the_new_version_while_the_sender_replaces_the
 
         monkeypatch.setattr(mailbox, "claimed", worker_polls_first)
         assert await scheme.send_async() == 2
-        link = scheme.sender.ledger.links[0]
+        link = scheme._transport.ledger.links[0]
         assert link.in_flight is None and link.maybe is None and link.live is not None and link.live.version == 2
         assert scheme.sender.applied_versions() == {0: 2}
 
@@ -222,7 +222,7 @@ async def test_a_version_the_worker_is_taking_keeps_its_slot_until_the_worker_an
     async with _polled_loopback() as (scheme, receiver):
         await scheme.send_async()
         assert receiver._mailbox.peek() is not None  # claimed, as a poll does before it reads the slot
-        ledger = scheme.sender.ledger
+        ledger = scheme._transport.ledger
         await scheme.send_async()
         taking = ledger.links[0].maybe
         assert taking is not None and taking.version == 1

@@ -26,7 +26,14 @@ import pytest
 import torch
 from anyio import wait_all_tasks_blocked
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerDiedError, WorkerError, WorkerProcessError, spawn_workers
+from asyncsync import (
+    MultiProcessWeightSyncScheme,
+    SyncTimeoutError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerProcessError,
+    spawn_workers,
+)
 from asyncsync._core._ownership import slot_bound
 from asyncsync._io._queues import AsyncQueue
 from asyncsync._wire._local import Mailbox, Poll, decode_from_worker, decode_to_worker, encode
@@ -512,7 +519,8 @@ async def test_a_polled_worker_that_attaches_by_address_acks_through_shared_memo
                 fill_(trainer, value)
                 await scheme.send()  # returns once its poll committed it and its ack came back
             assert scheme.sender.applied_versions() == {0: 3}
-            assert scheme.sender._polled is not None and len(scheme.sender._polled.links) == 1  # on the shared wake
+            link = scheme._transport._workers[0].link  # type: ignore[union-attr]
+            assert link is not None and link.polled is not None and list(link.polled.links) == [link]  # on the shared wake
             committed = await asyncio.wait_for(asyncio.to_thread(ours.recv), START_S)
         assert committed == [1, 2, 3]
         await asyncio.to_thread(process.join, START_S)

@@ -472,15 +472,15 @@ async def test_a_cut_workers_slots_are_never_written_again() -> None:
     # Its process may still view them: the sender cannot know when it lets go.
     scheme, model, workers, _ = await _loopback(2, on_worker_error="skip")
     try:
-        live = scheme.sender.ledger.links[0].live
+        live = scheme._transport.ledger.links[0].live
         assert live is not None and live.slot is not None
         workers[0].receiver._queue.put_bytes_nowait(b"junk")
         await scheme.sender.wait_dead(0, timeout=5)
         for k in range(6):  # sends to both: worker 0's newest version moves on
             fill_(model, float(k))
             await scheme.send()
-            assert live.slot in scheme.sender.ledger.owned()
-            assert float(scheme.sender._pool.views(scheme.sender._pool.get(live.slot))["0.bias"][0]) != float(k)
+            assert live.slot in scheme._transport.ledger.owned()
+            assert float(scheme._transport._pool.views(scheme._transport._pool.get(live.slot))["0.bias"][0]) != float(k)
     finally:
         await _close(scheme, workers)
 
@@ -489,7 +489,7 @@ async def test_a_sender_sending_garbage_ends_the_receiver_with_protocol_error() 
     scheme, model, workers, models = await _loopback(2)
     try:
         before = _values(models[0])
-        link = scheme.sender._workers[0].link
+        link = scheme._transport._workers[0].link
         assert link is not None
         link.queue.put_bytes_nowait(encode(Receive(1, 0))[:-3])
         with pytest.raises(ProtocolError, match=r"worker 0: the sender sent a malformed message \(Receive: field 'length': truncated"):

@@ -391,7 +391,7 @@ async def test_descriptors_stay_in_order_behind_a_buffered_message() -> None:
     assert [os.pread(fd, 64, 0) for fd in fds] == [b"file-0", b"file-1"]
     assert await r.get(timeout=30) == ("msg", "between")
     assert await r.get(timeout=30) == ("fds", 1)
-    fds += r.recv_fds(1)
+    fds += r.receive_fds_nowait(1)  # written right behind their message: here already
     assert os.pread(fds[2], 64, 0) == b"file-2"
     assert await r.get(timeout=30) == ("msg", "after")
     for fd in fds:
@@ -400,7 +400,7 @@ async def test_descriptors_stay_in_order_behind_a_buffered_message() -> None:
     await r.aclose()
 
 
-async def test_recv_fds_with_a_different_count_is_broken() -> None:
+async def test_receive_fds_with_a_different_count_is_broken() -> None:
     a, b = CTX.Pipe()
     w: AsyncQueue[Any] = AsyncQueue(a)
     r: AsyncQueue[Any] = AsyncQueue(b)
@@ -410,7 +410,7 @@ async def test_recv_fds_with_a_different_count_is_broken() -> None:
     f.close()
     assert await r.get(timeout=30) == "fds"
     with pytest.raises(BrokenChannelError, match="expected 2 file descriptors, got 1"):
-        r.recv_fds(2)
+        r.receive_fds_nowait(2)
     await w.aclose()
     await r.aclose()
 
@@ -543,7 +543,7 @@ def test_put_nowait_without_a_loop_writes_everything() -> None:
     q.close()
 
 
-@pytest.mark.parametrize("mode", ["recv_fds", "receive_fds", "plain"])
+@pytest.mark.parametrize("mode", ["receive_fds_nowait", "receive_fds", "plain"])
 async def test_descriptors_reach_another_process_in_order(mode: str) -> None:
     ours, theirs = CTX.Pipe()
     q: AsyncQueue[Any] = AsyncQueue(ours)

@@ -96,15 +96,16 @@ async def test_a_killed_actor_is_named_and_its_replacement_gets_the_newest_versi
             await scheme.send()
             group.kill(1)
             await scheme.sender.wait_dead(1, timeout=60)  # through its socket's end
+            # The send goes to the living worker (and is worker 1's newest), then names the dead one.
             with pytest.raises(WorkerDiedError, match="worker 1") as info:
                 await scheme.send()
-            assert info.value.worker_idx == 1
+            assert info.value.worker_idx == 1 and info.value.applied_by == (0,) and scheme.version == 2
             fill_(model, 2.0)
-            assert await scheme.send(worker_ids=0) == 2
+            assert await scheme.send(worker_ids=0) == 3
             await group.restart(1, timeout=120)
-            assert scheme.sender.applied_versions() == {0: 2, 1: 1}  # 1: the newest it was sent
+            assert scheme.sender.applied_versions() == {0: 3, 1: 2}  # 1: the newest it was sent (the send that raised)
             fill_(model, 3.0)
-            assert await scheme.send() == 3
+            assert await scheme.send() == 4
     assert_exited(group.pids)
-    assert group.results[1] == [(1, [1.0]), (3, [3.0])], "the replacement starts at the newest version it lacks"
-    assert [v for v, _ in group.results[0]] == [0, 1, 2, 3]
+    assert group.results[1] == [(2, [1.0]), (4, [3.0])], "the replacement starts at the newest version it was sent"
+    assert [v for v, _ in group.results[0]] == [0, 1, 2, 3, 4]

@@ -145,7 +145,7 @@ async def test_a_killed_worker_is_named_and_replaced_and_a_killed_relay_is_a_los
             assert scheme.sender.applied_versions() == {(1, 0): v4, (1, 1): v4, (2, 0): v4}
             group.kill_host(1)  # the other node's relay
             await exited(group.relay_pids[1])
-            await scheme.sender.wait_lost(1, timeout=60)
+            await scheme.wait_lost(1, timeout=60)
             fill_(model, 4.0)
             with pytest.raises(HostLostError, match="host 1") as lost:
                 await scheme.send(worker_ids=[(1, 0), (2, 0)])

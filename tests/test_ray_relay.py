@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-from asyncsync import DistributedWeightSyncScheme, HostLostError
-from asyncsync._local._loopback import loopback_worker
+from asyncsync import DistributedWeightSyncScheme, HostLostError, loopback_worker
 from asyncsync.ray import RayHostGroup, relay_template, start_workers
 from tests._dist_cluster import free_port
 from tests._ray_targets import recording_worker
@@ -31,7 +30,7 @@ async def test_a_relay_built_from_the_trainers_layout_and_options_delivers(trans
     model = make_model()
     trainer = trainer_scheme(transfer_dtype=transfer_dtype)
     trainer.init_on_sender(model=model, hosts={1: 1})
-    template = relay_template(trainer.sender._source_layout)
+    template = relay_template(trainer._source_layout)  # what RayHostGroup hands its relays
     assert all(t.is_meta for t in template.values()), "the relay's copy of the architecture takes no memory"
     host = DistributedWeightSyncScheme(rank=1, **trainer._relay_kwargs())
     host.init_on_relay(weights=template, num_workers=1)
@@ -73,7 +72,7 @@ async def test_tied_weights_reach_the_worker_through_a_relay_built_from_the_layo
     model = Tied()
     trainer = trainer_scheme()
     trainer.init_on_sender(model=model, hosts={1: 1})
-    template = relay_template(trainer.sender._source_layout)
+    template = relay_template(trainer._source_layout)  # what RayHostGroup hands its relays
     assert template["head.weight"] is template["emb.weight"]
     host = DistributedWeightSyncScheme(rank=1, **trainer._relay_kwargs())
     host.init_on_relay(weights=template, num_workers=1)

@@ -235,7 +235,7 @@ async def test_sends_cancelled_during_a_threaded_copy_keep_the_books_straight(as
                 await task
             except asyncio.CancelledError:
                 pass
-            scheme.sender.ledger.check()
+            scheme._transport.ledger.check()
         fill_(model, 42.0)
         v = await scheme.send()
         assert scheme.sender.applied_versions() == {0: v}

@@ -17,15 +17,16 @@ import asyncsync
 from asyncsync import ClosedError, MultiProcessWeightSyncScheme, WeightsError
 from tests._targets import fill_, make_model
 
-
-# The public API. A change to it is deliberate: edit this list with it.
+# The public API, in ``__all__``'s order (constants, then classes, then functions). A
+# change to it is deliberate: edit this list with it.
 PUBLIC_API = [
+    "DEFAULT",
     "AsyncQueue", "AsyncSyncError", "AuthenticationError", "BrokenChannelError", "CapacityError", "ClosedError",
     "DistributedStatistics", "DistributedWeightSyncScheme", "HostLostError", "HostStatistics", "Layout",
     "MultiProcessWeightSyncScheme", "ProtocolError", "Receiver", "ReceiverStatistics", "Sender", "SenderDiedError",
     "SenderStatistics", "SyncTimeoutError", "TensorSpec", "WeightsError", "WorkerAddress", "WorkerDiedError", "WorkerError",
-    "WorkerGroup", "WorkerLeftError", "WorkerProcessError", "WorkerStatistics", "WouldBlock", "flatten_parameters",
-    "loopback_worker", "spawn_workers",
+    "WorkerGoneError", "WorkerGroup", "WorkerLeftError", "WorkerProcessError", "WorkerStatistics", "WouldBlock",
+    "flatten_parameters", "loopback_worker", "spawn_workers",
 ]  # fmt: skip
 
 
@@ -33,9 +34,13 @@ def test_public_api_is_exported() -> None:
     assert asyncsync.__all__ == PUBLIC_API
     star: dict[str, Any] = {}
     exec("from asyncsync import *", star)
-    assert sorted(set(star) - {"__builtins__"}) == PUBLIC_API
+    assert sorted(set(star) - {"__builtins__"}) == sorted(PUBLIC_API)
     for name in PUBLIC_API:
         obj = getattr(asyncsync, name)
+        if not hasattr(obj, "__qualname__"):  # a constant (DEFAULT): asyncsync's own type, defined under that name
+            assert type(obj).__module__.startswith("asyncsync."), (name, type(obj).__module__)
+            assert getattr(importlib.import_module(type(obj).__module__), name) is obj, name
+            continue
         # defined by asyncsync under that very name (not a re-export of another library's object)
         assert obj.__module__.startswith("asyncsync.") and obj.__qualname__ == name, (name, obj.__module__, obj.__qualname__)
         assert getattr(importlib.import_module(obj.__module__), name) is obj, name

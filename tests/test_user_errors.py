@@ -16,13 +16,19 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 import pytest
 import torch
 from tensordict import TensorDict
 from torch import nn
 
-from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme, SyncTimeoutError, WeightsError, WorkerLeftError, loopback_worker
+from asyncsync import (
+    DistributedWeightSyncScheme,
+    MultiProcessWeightSyncScheme,
+    SyncTimeoutError,
+    WeightsError,
+    WorkerLeftError,
+    loopback_worker,
+)
 from asyncsync.testing import open_loopback, open_loopback_hosts
 from tests._targets import fill_, make_model
 
@@ -223,7 +229,8 @@ async def test_a_bad_timeout_is_refused_on_the_multi_host_trainer() -> None:
         for call in (
             lambda: lh.trainer.send(timeout=-1),
             lambda: lh.trainer.wait_async(timeout=float("nan")),
-            lambda: lh.trainer.sender.wait_lost(1, timeout=-1),
+            lambda: lh.trainer.wait_lost(1, timeout=-1),
+            lambda: lh.trainer.wait_host_joined(1, timeout=-1),
             lambda: lh.trainer.sender.wait_dead((1, 0), timeout=float("nan")),
         ):
             with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):

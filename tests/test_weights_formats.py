@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from asyncsync._core._layout import Layout, TensorSpec
-from asyncsync._core._strategy import bind_targets, named_tensors, to_flat, validate
+from asyncsync._core._weights import bind_targets, named_tensors, to_flat, validate
 from asyncsync._errors import WeightsError
 
 
@@ -325,7 +325,7 @@ def test_fast_paths_return_the_walk_itself() -> None:
 
 @pytest.mark.parametrize("strategy", ["state_dict", "tensordict"])
 def test_user_weights_list_aliases_for_load_state_dict(strategy: str) -> None:
-    from asyncsync._core._strategy import as_user_weights
+    from asyncsync._core._weights import as_user_weights
 
     trainer = _randomize(Tied())
     layout = Layout.from_tensors(to_flat(trainer))

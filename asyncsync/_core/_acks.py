@@ -33,9 +33,9 @@ import copy
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from .._errors import ClosedError, SyncTimeoutError, WorkerDiedError, WorkerError, format_seconds
-from .._options import DEFAULT, UseDefault, checked_timeout
+from .._errors import ClosedError, SyncTimeoutError, WorkerError, WorkerGoneError, format_seconds
 from .._stats import WorkerStatistics
+from ._options import DEFAULT, Phase, UseDefault, WorkerState, checked_timeout
 from ._signal import Signal
 
 __all__ = ["AckTracker", "WorkerRecord"]
@@ -46,7 +46,7 @@ R = TypeVar("R", bound="WorkerRecord")
 GONE = ("dead", "left")
 
 
-def _departure(wanted: Sequence[tuple[Any, WorkerRecord, int]], wid: Any, silent_after: float | None = None, expired: bool = False) -> WorkerDiedError:
+def _departure(wanted: Sequence[tuple[Any, WorkerRecord, int]], wid: Any, silent_after: float | None = None, expired: bool = False) -> WorkerGoneError:
     """The death of target *wid* as a wait for *wanted* (``(worker id, record, version)``)
     reports it: a copy (the record keeps its own, and each wait names its own targets)
     whose ``applied_by`` lists the targets that applied their version; its message says
@@ -87,7 +87,7 @@ class WorkerRecord:
 
     def __init__(self, wid: Any) -> None:
         self.wid = wid
-        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.state: WorkerState = "waiting"
         self.generation = 1  # the connection whose answers these are (numbered by the transport)
         self.sent = -1  # newest version sent to this worker id
         # The current (or last departed) connection's answers:
@@ -97,7 +97,7 @@ class WorkerRecord:
         self.last_error: str | None = None
         self.stage_s = 0.0
         self.commit_s = 0.0
-        self.death: WorkerDiedError | None = None
+        self.death: WorkerGoneError | None = None
         self.death_generation = 0  # the generation that death ended
         self.exitcode: int | None = None
         self.pid: int | None = None
@@ -134,29 +134,27 @@ class _Watch:
         self.wake()
 
 
+class Lifecycle:
+    """A sender's phase, shared by the parts that refuse work once it closes."""
+
+    __slots__ = ("phase",)
+
+    def __init__(self) -> None:
+        self.phase: Phase = "new"
+
+
 class AckTracker(Generic[W, R]):
     """The delivery state of a sender's workers; see the module docstring.
 
-    *phase* is the sender's lifecycle (``"new"``, ``"running"``, ``"closing"``,
-    ``"closed"``); *changed* is notified at every change here and wakes every wait.
+    *life* is the sender's lifecycle; *changed* is notified at every change here and
+    wakes every wait. A timeout names the workers that did not answer; what the transport
+    knows of why is added by the sender.
     """
 
-    def __init__(
-        self,
-        records: Mapping[W, R],
-        *,
-        changed: Signal,
-        phase: Callable[[], str],
-        never_connected: Callable[[Sequence[W]], Mapping[W, int | None]] | None = None,
-        hint: Callable[[Sequence[W]], str] | None = None,
-    ) -> None:
+    def __init__(self, records: Mapping[W, R], *, changed: Signal, life: Lifecycle) -> None:
         self.records: dict[W, R] = dict(records)
         self._changed = changed
-        self._phase = phase
-        # Which of the given workers never said hello (a timeout names them with the likely fix),
-        # and what else the transport knows of why these workers are silent.
-        self._never_connected = never_connected or (lambda wids: {})
-        self._hint = hint or (lambda wids: "")
+        self._life = life
         self._watches: list[_Watch] = []  # the version waits in progress
 
     def notify(self) -> None:
@@ -231,7 +229,7 @@ class AckTracker(Generic[W, R]):
             rec.last_error = error
             self.notify()
 
-    def lost(self, wid: W, state: str, death: WorkerDiedError, exitcode: int | None = None) -> None:
+    def lost(self, wid: W, state: str, death: WorkerGoneError, exitcode: int | None = None) -> None:
         """*wid*'s connection ended: ``"dead"`` or ``"left"``, with the error that says so.
         Its last answers stay visible; they no longer count."""
         rec = self.records[wid]
@@ -314,8 +312,8 @@ class AckTracker(Generic[W, R]):
         *newest* is the sender's newest version; *skip_gone* as for :meth:`missing`. Only
         targets that were sent *version* (or a newer one) are waited for.
         """
-        phase = self._phase
-        if phase() == "closed":
+        life = self._life
+        if life.phase == "closed":
             raise ClosedError("the sender is closed")
         if version is not None and version > newest:
             raise ValueError(f"version {version} was not sent yet (the newest is {newest})")
@@ -344,7 +342,7 @@ class AckTracker(Generic[W, R]):
         self._watches.append(watch)
         try:
             while True:
-                if phase() == "closed":
+                if life.phase == "closed":
                     raise ClosedError("the sender was closed while waiting")
                 if watch.expired:
                     break
@@ -365,8 +363,7 @@ class AckTracker(Generic[W, R]):
                 raise _departure(wanted, gone, silent_after=reported, expired=True)
         pending = {wid: rec.applied for wid, rec, v in wanted if not self._counts(wid, v)}
         what = what or ("wait_async" if version is None else f"wait for version {version}")
-        silent = list(pending)
-        raise SyncTimeoutError(what, pending, reported, never_connected=self._never_connected(silent), hint=self._hint(silent))  # type: ignore[arg-type]
+        raise SyncTimeoutError(what, pending, reported)  # type: ignore[arg-type]
 
     def _counts(self, wid: W, version: int) -> bool:
         rec = self.records[wid]
@@ -382,7 +379,7 @@ class AckTracker(Generic[W, R]):
         awaited = {wid: self._awaited_generation(self.records[wid]) for wid in wids}
 
         def joined() -> bool:
-            if self._phase() != "running":
+            if self._life.phase != "running":
                 raise ClosedError("the sender is closed")
             for wid in wids:
                 rec = self.records[wid]
@@ -392,7 +389,7 @@ class AckTracker(Generic[W, R]):
 
         if not await self._changed.wait_until(joined, timeout):
             pending = {wid: self.records[wid].applied for wid in wids}
-            raise SyncTimeoutError(what, pending, timeout, never_connected=self._never_connected(list(wids)), hint=self._hint(list(wids)))  # type: ignore[arg-type]
+            raise SyncTimeoutError(what, pending, timeout)  # type: ignore[arg-type]
         for wid in wids:
             rec = self.records[wid]
             if rec.applied < rec.sent:
@@ -407,7 +404,7 @@ class AckTracker(Generic[W, R]):
         """Wait until each of *wids* is known to be gone (dead, left or stopped)."""
         timeout = checked_timeout(timeout)
         gone = (*GONE, "stopped")
-        if not await self._changed.wait_until(lambda: all(self.records[w].state in gone for w in wids) or self._phase() != "running", timeout):
+        if not await self._changed.wait_until(lambda: all(self.records[w].state in gone for w in wids) or self._life.phase != "running", timeout):
             raise SyncTimeoutError(what, {wid: self.records[wid].applied for wid in wids}, timeout)  # type: ignore[misc]
 
     def rows(self, newest: int, extra: Callable[[R], Mapping[str, Any]]) -> tuple[WorkerStatistics, ...]:

@@ -5,7 +5,7 @@ contiguous buffer per ``(dtype, device)``, in ``state_dict`` order, so that they
 consecutive views of one storage (each with its own strides). The sender then notices (:class:`SpanCopier`) that a
 run of the wire layout is one contiguous span of the source and copies it in one
 ``copy_`` instead of one per tensor; from then on the source's check at each send also
-proves that memory (:meth:`KnownSource.track_memory <._strategy.KnownSource.track_memory>`).
+proves that memory (:meth:`KnownSource.track_memory <._weights.KnownSource.track_memory>`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from ._layout import Layout
-from ._strategy import KnownSource
+from ._weights import KnownSource
 
 __all__ = ["SpanCopier", "contiguous_runs", "flatten_parameters"]
 
@@ -54,7 +54,7 @@ def flatten_parameters(model: nn.Module) -> nn.Module:
         scheme = MultiProcessWeightSyncScheme()
         scheme.init_on_sender(model=policy, num_workers=2)  # a send: one copy per dtype
     """
-    from ._strategy import named_tensors
+    from ._weights import named_tensors
 
     named = named_tensors(model)
     for name, t in named.items():

@@ -113,6 +113,14 @@ class Layout:  # not slots: cached_property needs the instance dict
         return cls.from_shapes(items, dtype_map, aliases)
 
     @classmethod
+    def pair(cls, tensors: Mapping[str, torch.Tensor], transfer_dtype: torch.dtype | None) -> tuple[Layout, Layout]:
+        """The layout of *tensors*, and the one on the wire (floats in *transfer_dtype*, if set)."""
+        source = cls.from_tensors(tensors)
+        if transfer_dtype is None:
+            return source, source
+        return source, cls.from_tensors(tensors, {s.dtype: transfer_dtype for s in source.specs if s.dtype.is_floating_point})
+
+    @classmethod
     def from_shapes(
         cls,
         items: Iterable[tuple[str, tuple[int, ...], torch.dtype]],

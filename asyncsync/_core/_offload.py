@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from .._errors import SyncTimeoutError
 
-__all__ = ["THREAD_COPY_BYTES", "Offload"]
+__all__ = ["THREAD_COPY_BYTES", "Offload", "retrieve"]
 
 logger = logging.getLogger("asyncsync")
 
@@ -143,7 +143,7 @@ class Offload:
         previous = self._running
         if previous is not None and not previous.done():
             left = _on_loop(previous)
-            left.add_done_callback(_consume)  # its own caller left: its outcome is nobody's
+            left.add_done_callback(retrieve)  # its own caller left: its outcome is nobody's
             await asyncio.wait((left,))
         return await self.wait(self.start(fn, *args), timeout=timeout, what=what, keep=keep, release=release, discard=discard)
 
@@ -158,7 +158,7 @@ class Offload:
         try:
             if running is not None and not running.done():
                 left = _on_loop(running)
-                left.add_done_callback(_consume)  # its caller handles (or left) its outcome
+                left.add_done_callback(retrieve)  # its caller handles (or left) its outcome
                 await asyncio.wait((left,))
         finally:
             if self._executor is not None:
@@ -192,11 +192,6 @@ def _on_loop(job: Future[T], orphan: Callable[[T], None] | None = None) -> async
 
     job.add_done_callback(ended)
     return outcome
-
-
-def _consume(f: asyncio.Future[Any]) -> None:
-    if not f.cancelled():
-        f.exception()
 
 
 def _copy_outcome(job: Future[T], outcome: asyncio.Future[T]) -> None:
@@ -235,3 +230,10 @@ def _leave(
                 release()
 
     outcome.add_done_callback(ended)
+
+
+def retrieve(fut: asyncio.Future[Any]) -> None:
+    """A done callback that marks *fut*'s exception as seen (a future left behind on
+    purpose logs no "exception was never retrieved"); whoever needs it reads it later."""
+    if not fut.cancelled():
+        fut.exception()

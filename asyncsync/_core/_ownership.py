@@ -51,6 +51,8 @@ import torch
 __all__ = [
     "BufferRoles",
     "InvariantError",
+    "Snapshot",
+    "SnapshotLedger",
     "Link",
     "Ref",
     "SlotLedger",
@@ -339,6 +341,127 @@ class SlotLedger:
         for i, link in enumerate(self.retired):
             for r in link.refs():
                 yield f"retired connection {i}", r
+
+
+# ------------------------------------------------------------------------ multi-host trainer
+
+
+class Snapshot:
+    """One flat wire buffer of the multi-host trainer: the snapshot of one version."""
+
+    def __init__(self, tensor: torch.Tensor, views: dict[str, torch.Tensor]) -> None:
+        self.tensor = tensor
+        self.views = views
+        self.version = -1
+        self.serial = -1  # which write this is (a buffer is reused)
+        # A partial update: the version it completed and the byte ranges it changed; a
+        # host whose targets applied that version gets only these ranges.
+        self.base_version = -1
+        self.ranges: tuple[tuple[int, int], ...] = ()
+
+
+PendingKey = tuple[int, int]  # (version, snapshot serial)
+
+
+class SnapshotLedger:
+    """Who holds which snapshot on a multi-host trainer, and the only code that changes it.
+
+    A snapshot is held by the workers whose newest version it carries (``latest``, keyed
+    ``(host, local index)``) and by its *readers*: a send writing it, a network transfer
+    in flight, a copy thread still finishing. Each host's *pending* versions are the
+    snapshots still to transfer to it, each with its local targets. A snapshot held by
+    nobody is free and reused; so at most ``W + 1`` exist for ``W`` workers.
+    """
+
+    def __init__(self, make: Callable[[], Snapshot]) -> None:
+        self._make = make
+        self.bufs: list[Snapshot] = []
+        self.latest: dict[tuple[int, int], Snapshot] = {}
+        self.pending: dict[int, dict[PendingKey, tuple[Snapshot, set[int]]]] = {}
+        self._readers: dict[int, int] = {}  # id(snapshot) -> readers
+        self._owners: dict[int, int] = {}  # id(snapshot) -> workers whose newest it is
+        self._serial = 0
+
+    def reserve(self) -> Snapshot:
+        """A free snapshot, held for the send that writes it (:meth:`release` or :meth:`written`)."""
+        for buf in self.bufs:
+            if not self._owners.get(id(buf)) and not self._readers.get(id(buf)):
+                break
+        else:
+            buf = self._make()
+            self.bufs.append(buf)
+        self.hold(buf)
+        return buf
+
+    def written(self, buf: Snapshot, version: int, base: Snapshot | None, ranges: tuple[tuple[int, int], ...]) -> None:
+        """*buf* holds *version* now (a partial update of *base*, changing *ranges*)."""
+        self._serial += 1
+        buf.version, buf.serial = version, self._serial
+        buf.base_version, buf.ranges = (-1, ()) if base is None else (base.version, ranges)
+
+    def hold(self, buf: Snapshot) -> None:
+        """One more reader of *buf* (a transfer, a copy thread): it is not reused meanwhile."""
+        self._readers[id(buf)] = self._readers.get(id(buf), 0) + 1
+
+    def release(self, buf: Snapshot) -> None:
+        self._readers[id(buf)] -= 1
+        self._check()
+
+    def assign(self, wid: tuple[int, int], buf: Snapshot) -> None:
+        """*buf* is *wid*'s newest version: it replaces the older one waiting for its host."""
+        old = self.latest.get(wid)
+        if old is not None:
+            self._owners[id(old)] -= 1
+        self.latest[wid] = buf
+        self._owners[id(buf)] = self._owners.get(id(buf), 0) + 1
+        host, local = wid
+        pending = self.pending.setdefault(host, {})
+        for key in list(pending):
+            targets = pending[key][1]
+            targets.discard(local)
+            if not targets:
+                del pending[key]
+        pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
+        self._check()
+
+    def requeue(self, host: int, workers: Iterable[tuple[int, int, str]]) -> None:
+        """Transfer again to *host* each worker's newest version it has not applied
+        (*workers*: ``(local index, applied version, state)``): after the group re-formed,
+        or the host connected again."""
+        pending = self.pending.setdefault(host, {})
+        for local, applied, state in workers:
+            buf = self.latest.get((host, local))
+            if buf is not None and applied < buf.version and state in ("waiting", "connected"):
+                pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
+
+    def delivered(self, host: int, key: PendingKey) -> None:
+        self.pending.get(host, {}).pop(key, None)
+
+    def drop_pending(self, host: int) -> None:
+        self.pending.pop(host, None)
+
+    def clear(self) -> None:
+        self.bufs, self.latest, self.pending = [], {}, {}
+        self._readers.clear()
+        self._owners.clear()
+
+    def _check(self) -> None:
+        if not _debug:
+            return
+        owners: dict[int, int] = {}
+        for buf in self.latest.values():
+            owners[id(buf)] = owners.get(id(buf), 0) + 1
+        if any(n for k, n in self._owners.items() if n != owners.get(k, 0)):
+            raise InvariantError(f"snapshot owner counts {self._owners} do not match the workers' newest versions {owners}")
+        if any(n < 0 for n in self._readers.values()):
+            raise InvariantError(f"a snapshot was released more often than held: {self._readers}")
+        for host, pending in self.pending.items():
+            for (version, serial), (buf, targets) in pending.items():
+                if (buf.version, buf.serial) != (version, serial) or not targets:
+                    raise InvariantError(f"host {host}: pending {version}/{serial} names snapshot {buf.version}/{buf.serial} for {targets}")
+                for local in targets:
+                    if self.latest.get((host, local)) is not buf:
+                        raise InvariantError(f"host {host}: pending {version} for worker {local}, whose newest is another snapshot")
 
 
 # -------------------------------------------------------------------------------- receiver

@@ -10,7 +10,7 @@ from torch import nn
 
 from .._errors import WeightsError
 from ._layout import Layout
-from ._strategy import KnownSource, resolve_model, to_flat, validate
+from ._weights import KnownSource, resolve_model, to_flat, validate
 
 __all__ = ["ModelRef", "SourceReader", "configured_source"]
 
@@ -54,7 +54,7 @@ class SourceReader:
     """Reads a send's weights as flat tensors of the source layout, validated.
 
     A configured source (what ``send(weights=None)`` reads) is validated fully once, then
-    only checked cheaply (:class:`~.._strategy.KnownSource`); weights given to one send are
+    only checked cheaply (:class:`~.._weights.KnownSource`); weights given to one send are
     validated each time, *partial* ones as a subset of the keys.
 
     Example::

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from .._core._offload import retrieve
 from .._errors import BrokenChannelError, ProtocolError, format_seconds
 from .._wire._auth import HANDSHAKE_LIMIT, auth_mac, mac, new_nonce, resolve_token, welcome_mac
 from .._wire._control import HEADER_BYTES, Beat, ControlMessage, encode, payload_length
@@ -97,7 +98,7 @@ class ControlStream(Generic[Received]):
         blocked past the deadline while the peer's frames kept coming, it is no silence."""
         if self._read_task is None:
             self._read_task = asyncio.ensure_future(self._read())
-            self._read_task.add_done_callback(_retrieve)
+            self._read_task.add_done_callback(retrieve)
         task = self._read_task
         while True:
             done, _ = await asyncio.wait({task}, timeout=timeout)
@@ -306,11 +307,6 @@ class ControlStream(Generic[Received]):
                 pass
         if self.writer is not None:
             self.writer.close()
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # a read left behind by a closed stream reports nothing
 
 
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:

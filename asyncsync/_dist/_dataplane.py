@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 
-from .._core._offload import Offload
+from .._core._offload import Offload, retrieve
 from .._errors import BrokenChannelError, format_seconds
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "SyncGroup"]
@@ -187,7 +187,7 @@ class SyncGroup:
             raise BrokenChannelError(f"weight-sync group generation {self.generation} is closed")
         loop = asyncio.get_running_loop()
         afut: asyncio.Future[None] = loop.create_future()
-        afut.add_done_callback(_retrieve)
+        afut.add_done_callback(retrieve)
         done = _bridge(loop, afut, self._finisher(1, release))
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(1, thread_name_prefix="asyncsync-nccl")
@@ -316,7 +316,7 @@ class SyncGroup:
             self._waiter.submit(_wait_work, work, done)
             del work
         gathered = asyncio.gather(*futures)
-        gathered.add_done_callback(_retrieve)  # abandoned (cancelled) waits leave no "never retrieved" error
+        gathered.add_done_callback(retrieve)  # abandoned (cancelled) waits leave no "never retrieved" error
         try:
             error = await self._outcome_of(gathered)
         finally:
@@ -409,11 +409,6 @@ def _abort(pg: Any, generation: int) -> None:
 def _copy_out(work: Any, landing: torch.Tensor, chunk: torch.Tensor) -> None:
     work.wait()  # the current stream waits for the receive
     chunk.copy_(landing)
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 # Held by the backend's threads that finish operations after their loop closed.

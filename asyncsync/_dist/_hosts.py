@@ -15,18 +15,15 @@ import asyncio
 import hmac
 import logging
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from .._core._acks import GONE, AckTracker, WorkerRecord
+from .._core._acks import GONE, WorkerRecord
+from .._core._delivery import Delivery
 from .._core._layout import Layout
-from .._core._signal import Signal
+from .._core._options import WorkerState
+from .._core._ownership import SnapshotLedger
 from .._errors import AuthenticationError, BrokenChannelError, HostLostError, ProtocolError, WorkerDiedError, WorkerLeftError
 from .._wire._control import Ack, Auth, Beat, Bye, Challenge, FromRelay, Lost, Setup, Welcome, assert_never, decode_from_relay
 from ._control import FRAME_LIMIT, ControlStream, auth_mac, new_nonce, welcome_mac
-
-if TYPE_CHECKING:
-    from ._transfer import Snapshot
 
 __all__ = ["Host", "HostTable", "RemoteWorker", "WorkerId"]
 
@@ -36,43 +33,30 @@ WorkerId = tuple[int, int]
 
 
 class RemoteWorker(WorkerRecord):
-    """One remote worker: its delivery state (kept by the :class:`AckTracker`) and the
-    buffer holding its newest version."""
+    """One remote worker's delivery state (kept by the :class:`AckTracker`)."""
 
     def __init__(self, wid: WorkerId) -> None:
         super().__init__(wid)
         self.wid: WorkerId = wid
-        self.latest: Snapshot | None = None
 
 
 class Host:
-    """One remote host: its relay's connection, its workers, and what is pending for it."""
+    """One remote host: its relay's connection and its workers (what is pending for it is
+    the :class:`~.._core._ownership.SnapshotLedger`'s)."""
 
     def __init__(self, idx: int, num_workers: int) -> None:
         self.idx = idx
         self.num_workers = num_workers
-        self.state = "waiting"  # waiting | connected | dead | left | stopped
+        self.state: WorkerState = "waiting"
         self.stream: ControlStream[FromRelay] | None = None
         self.pid: int | None = None
         self.peer: str | None = None
         self.connections = 0
         self.reason: str | None = None
         self.workers = {i: RemoteWorker((idx, i)) for i in range(num_workers)}
-        # (version, buffer serial) -> (buffer, local targets). One version may need several
-        # buffers on one host: a partial update completed from different bases per worker.
-        self.pending: dict[tuple[int, int], tuple[Snapshot, set[int]]] = {}
         self.delivered = -1
         self.tasks: list[asyncio.Task[None]] = []
         self.busy = False  # a transfer to this host is in flight
-
-    def requeue(self) -> None:
-        """Transfer again each worker's newest version it has not acked (after the group
-        re-formed, or the host connected again): a relay gives up a receive when a new
-        generation is announced, even one whose bytes had all left the trainer (the relay
-        skips what it already holds)."""
-        for w in self.workers.values():
-            if w.latest is not None and w.applied < w.latest.version and w.state in ("waiting", "connected"):
-                self.pending.setdefault((w.latest.version, w.latest.serial), (w.latest, set()))[1].add(w.wid[1])
 
 
 class HostTable:
@@ -82,19 +66,19 @@ class HostTable:
         self,
         hosts: dict[int, Host],
         *,
-        acks: AckTracker[WorkerId, RemoteWorker],
-        changed: Signal,
-        phase: Callable[[], str],
+        delivery: Delivery[WorkerId, RemoteWorker],
+        snapshots: SnapshotLedger,
         layout: Layout,
         token: bytes,
         heartbeat: float,
         silence_timeout: float | None,
     ) -> None:
         self.hosts = hosts
-        # The sender's, shared with the transfer side: acks, change signal, state (new | running | closing | closed).
-        self.acks = acks
-        self.changed = changed
-        self.phase = phase
+        # The sender's delivery, shared with the transfer side: acks, change signal, phase.
+        self.acks = delivery.acks
+        self.changed = delivery.changed
+        self.life = delivery.life
+        self.snapshots = snapshots
         self._layout = layout
         self._token = token
         self.heartbeat = heartbeat
@@ -107,6 +91,13 @@ class HostTable:
     def make(hosts: dict[int, int]) -> dict[int, Host]:
         """One record per host, for ``{host: number of workers}``."""
         return {h: Host(h, n) for h, n in sorted(hosts.items())}
+
+    def requeue(self, h: Host) -> None:
+        """Transfer again each of *h*'s workers' newest version it has not acked (after the
+        group re-formed, or the host connected again): a relay gives up a receive when a new
+        generation is announced, even one whose bytes had all left the trainer (the relay
+        skips what it already holds)."""
+        self.snapshots.requeue(h.idx, [(i, w.applied, w.state) for i, w in h.workers.items()])
 
     def host(self, host: int) -> Host:
         try:
@@ -160,14 +151,14 @@ class HostTable:
         except asyncio.CancelledError:
             await stream.aclose()
             raise
-        if self.phase() != "running":
+        if self.life.phase != "running":
             await stream.aclose()
             return
         h = self.hosts[host.host]
         refusal = await self._refusal(stream)
         if refusal is not None:
             await stream.aclose()
-            if h.stream is None and self.phase() == "running":
+            if h.stream is None and self.life.phase == "running":
                 self.lose(h, refusal)
             else:  # a relay already connected for this host stays
                 logger.warning("asyncsync: closed control connection from %s (host %d): %s", peer, h.idx, refusal)
@@ -182,7 +173,7 @@ class HostTable:
             except BrokenChannelError:
                 pass
             await old.aclose()
-            if self.phase() != "running" or h.stream is not None:
+            if self.life.phase != "running" or h.stream is not None:
                 await stream.aclose()
                 return
         h.stream = stream
@@ -192,10 +183,10 @@ class HostTable:
         h.reason = None
         h.connections += 1
         h.delivered = -1
-        h.pending.clear()
+        self.snapshots.drop_pending(h.idx)
         for w in h.workers.values():
             self.acks.expect(w.wid, h.connections)  # nothing it answered before counts
-        h.requeue()  # each worker's newest version goes first
+        self.requeue(h)  # each worker's newest version goes first
         loop = asyncio.get_running_loop()
         for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
             t.cancel()
@@ -300,7 +291,7 @@ class HostTable:
 
     def lose(self, h: Host, reason: str, state: str = "dead") -> None:
         """Host *h* is gone: name it, with each of its workers, and re-form the group."""
-        if self.phase() in ("closing", "closed"):
+        if self.life.phase in ("closing", "closed"):
             h.state = "stopped"
             for w in h.workers.values():
                 self.acks.stopped(w.wid)

@@ -1,13 +1,13 @@
 """The relay: one per remote host, between the trainer's network transfers and local workers.
 
-A relay *is* a local :class:`~._scheme.MultiProcessWeightSyncScheme` sender whose weights
-come from the network: for each transfer it reserves a free shared-memory slot of that
-local sender (``Sender.reserve``), receives the bytes (broadcast or point-to-point, on the
+A relay *is* a host's local sender whose weights come from the network: for each transfer
+it reserves a free shared-memory slot of the local transport
+(:meth:`~.._local._transport.LocalTransport.reserve`), receives the bytes (broadcast or point-to-point, on the
 weight-sync group) straight into it, and publishes it to the host's workers through the
 local path (latest wins, atomic commits, acks, the ownership ledger: all unchanged). A
 receive given up while the backend still writes the slot abandons the reservation with
-that writer, so the slot stays reserved until it is done. As the local sender's observer
-(``Sender.observe``), the relay forwards every local ack and every local worker's death
+that writer, so the slot stays reserved until it is done. As the local transport's observer
+(:meth:`~.._local._transport.LocalTransport.observe`), the relay forwards every local ack and every local worker's death
 to the trainer over its control stream, so the trainer knows each remote worker by
 ``(host, local index)``.
 
@@ -28,12 +28,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from .._core._deadline import unless
+from .._core._deadline import Deadline, unless
 from .._core._offload import Offload
+from .._core._options import DEFAULT, Timeout, resolve_timeout
+from .._core._sender import Sender
 from .._core._signal import Signal
 from .._errors import (
     AsyncSyncError,
@@ -45,11 +47,11 @@ from .._errors import (
     SyncTimeoutError,
     WeightsError,
     WorkerDiedError,
+    WorkerGoneError,
     WorkerLeftError,
 )
 from .._local._publisher import Reservation
-from .._local._sender import Sender
-from .._options import DEFAULT, Timeout, resolve_timeout
+from .._local._transport import LocalTransport
 from .._wire._control import (
     Ack,
     Auth,
@@ -71,6 +73,8 @@ from ._dataplane import SyncGroup
 
 __all__ = ["Relay"]
 
+RelayState = Literal["new", "running", "stopped", "closed"]
+
 logger = logging.getLogger("asyncsync")
 
 
@@ -81,7 +85,8 @@ class Relay:
         self,
         *,
         host: int,
-        local: Sender,
+        local: Sender[int, Any],
+        landing: LocalTransport,
         open_store: Callable[[], Any],
         store_name: str,
         token: bytes | None,
@@ -94,6 +99,7 @@ class Relay:
     ) -> None:
         self.host = host
         self.local = local
+        self.landing = landing  # the local sender's transport: slots to land in, its workers' answers
         self._open_store = open_store  # blocking (a store client connects): run off the loop
         self._store_name = store_name
         self._store: Any = None
@@ -114,7 +120,7 @@ class Relay:
         self._error: BaseException | None = None
         self._displaced = False
         self._leaving = False  # aclose() said Bye: the trainer closing the connection is the answer
-        self._state = "new"
+        self._state: RelayState = "new"
         self._joining = False
         self._store_job: concurrent.futures.Future[Any] | None = None
         self.trainer: str | None = None
@@ -142,49 +148,49 @@ class Relay:
         if self._joining:
             raise RuntimeError("connect() is already running")
         limit = resolve_timeout(timeout, self.timeout)
-        deadline = _deadline(limit)
+        deadline = Deadline(limit)
         if self._state == "new":
             self._joining = True
             try:
                 await self._join(limit, deadline)
             finally:
                 self._joining = False
-            deadline = _deadline(limit)  # joined: the first weights have a timeout of their own
-        if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", _remaining(deadline)):
+            deadline = Deadline(limit)  # joined: the first weights have a timeout of their own
+        if not await self._changed.wait_until(lambda: self._published >= 0 or self._error is not None or self._state != "running", deadline.remaining()):
             raise SyncTimeoutError(f"host {self.host} waiting for its first weights", {}, limit)
         if self._error is not None:
             raise self._error
         if self._state == "closed":
             raise ClosedError(f"host {self.host}: the relay was closed while connecting")
-        await self.local.wait_async(self._published, timeout=_remaining(deadline))
+        await self.local.wait_async(self._published, timeout=deadline.remaining())
         return self._published
 
-    async def _join(self, limit: float | None, deadline: float | None) -> None:
+    async def _join(self, limit: float | None, deadline: Deadline) -> None:
         """Find the trainer in the store, connect, authenticate; then start the tasks."""
-        self.local.start()
-        self.local.observe(self)
+        self.landing.start()
+        self.landing.observe(self)
         where = f"the rendezvous store at {self._store_name}"
         if self._store is None:
             if self._store_job is None or self._store_job.done() and self._store_job.exception() is not None:
                 ends_by = time.monotonic() + _connect_bound(self.timeout)
                 self._store_job = _STORE_CALLS.start(self._open_store, ends_by=ends_by)  # a retry waits for the same attempt
-            self._store = await _wait_job(self._store_job, _remaining(deadline), f"host {self.host} connecting to {where}", limit)
+            self._store = await _wait_job(self._store_job, deadline.remaining(), f"host {self.host} connecting to {where}", limit)
         store = self._store
         if self._token is None:  # no shared token: rank 0 put one in the store
-            self._token = bytes(await _store_get(store, "token", _remaining(deadline), f"host {self.host} waiting for the trainer's token in {where}", limit))
+            self._token = bytes(await _store_get(store, "token", deadline.remaining(), f"host {self.host} waiting for the trainer's token in {where}", limit))
         key = "control"
-        address = (await _store_get(store, key, _remaining(deadline), f"host {self.host} waiting for the trainer to publish its control address in {where}", limit)).decode()
+        address = (await _store_get(store, key, deadline.remaining(), f"host {self.host} waiting for the trainer to publish its control address in {where}", limit)).decode()
         addr, _, port = address.rpartition(":")
         self.trainer = f"trainer at {address}"
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, int(port)), _remaining(deadline))
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, int(port)), deadline.remaining())
         except (TimeoutError, asyncio.TimeoutError):
             raise SyncTimeoutError(f"host {self.host} connecting to the {self.trainer}", {}, limit) from None
         except OSError as exc:
             raise BrokenChannelError(f"host {self.host}: cannot reach the {self.trainer}: {exc}") from None
         stream = ControlStream(reader, writer, self.trainer, decode_to_relay)
         try:
-            await asyncio.wait_for(self._handshake(stream), _remaining(deadline))
+            await asyncio.wait_for(self._handshake(stream), deadline.remaining())
             if self._state == "closed":
                 raise ClosedError(f"host {self.host}: the relay was closed while connecting")
         except BaseException as exc:
@@ -332,7 +338,7 @@ class Relay:
                 return
             base = op.base if op.base >= 0 else None
             try:
-                async with self.local.reserve(op.version, fresh, base_version=base) as landing:
+                async with self.landing.reserve(op.version, fresh, base_version=base) as landing:
                     if await self._receive(op, group, landing.buffer, landing):
                         landing.publish()
             except WeightsError as exc:  # a partial update this host cannot complete (not expected)
@@ -404,7 +410,7 @@ class Relay:
         """The trainer said Stop (stop the workers) or died (leave them with SenderDiedError).
         A relay the trainer replaced stops its workers (nothing died)."""
         died = self._error is not None
-        await self.local.aclose(stop=not died or self._displaced)
+        await self.landing.aclose(_CLOSE_S, stop=not died or self._displaced)
         if not died and self._stream is not None:
             try:
                 self._stream.send(Bye(self.host, self._published, "stopped by the trainer"))
@@ -419,13 +425,14 @@ class Relay:
     def worker_answered(self, worker_idx: int, ack: Ack) -> None:
         self._forward_ack(worker_idx, ack)
 
-    def worker_lost(self, worker_idx: int, death: WorkerDiedError) -> None:
+    def worker_lost(self, worker_idx: int, death: WorkerGoneError) -> None:
         if self._stream is None:
             return
         if isinstance(death, WorkerLeftError):
             msg = Lost(worker_idx, None, death.reason or "left")
         else:
-            msg = Lost(worker_idx, death.exitcode if death.exitcode is not None else -1, str(death))
+            code = death.exitcode if isinstance(death, WorkerDiedError) else None
+            msg = Lost(worker_idx, code if code is not None else -1, str(death))
         try:
             self._stream.send(msg)
         except BrokenChannelError:
@@ -484,7 +491,7 @@ class Relay:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self.local.aclose(stop=stop)
+        await self.landing.aclose(_CLOSE_S, stop=stop)
         if self._stream is not None:
             await self._stream.aclose()
             self._stream = None
@@ -494,6 +501,9 @@ class Relay:
             group.close()
             group = None
         return group
+
+
+_CLOSE_S = 10.0  # how long closing waits for the local workers to end
 
 
 _EXIT_GRACE = 3.0  # seconds the interpreter's exit may wait for a store call to end
@@ -602,11 +612,3 @@ async def _store_get(store: Any, key: str, remaining: float | None, what: str, l
         return await _wait_job(job, None if remaining is None else remaining + 1.0, what, limit)  # type: ignore[no-any-return]
     finally:
         stop.set()
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)

@@ -1,6 +1,8 @@
 """The trainer's data plane: snapshots, the weight-sync group, and the transfer pump.
 
-A send copies the weights once into a flat wire buffer (a :class:`Snapshot`), then the
+A send copies the weights once into a flat wire buffer (a
+:class:`~.._core._ownership.Snapshot`, held as the :class:`~.._core._ownership.SnapshotLedger`
+says), then the
 *pump* task moves it: one network transfer per host, a ``broadcast`` when the version
 goes to every member of the group, point-to-point sends otherwise. At most one transfer
 is in flight per host: a busy host is left out and gets its workers' newest version once
@@ -26,31 +28,16 @@ import torch
 from .._core._deadline import unless
 from .._core._layout import Layout
 from .._core._offload import THREAD_COPY_BYTES, Offload
+from .._core._ownership import Snapshot
 from .._errors import BrokenChannelError
 from .._io._staging import copy_tensors, stream_done
 from .._wire._control import Group, Transfer
 from ._dataplane import SyncGroup
-from ._hosts import Host, HostTable, RemoteWorker, WorkerId
+from ._hosts import Host, HostTable, WorkerId
 
-__all__ = ["Snapshot", "Transfers", "changed_ranges"]
+__all__ = ["Transfers", "changed_ranges"]
 
 logger = logging.getLogger("asyncsync")
-
-
-class Snapshot:
-    """One flat wire buffer: the snapshot of one version."""
-
-    def __init__(self, layout: Layout, device: torch.device | None) -> None:
-        self.tensor = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        self.views = layout.views(self.tensor)
-        self.version = -1
-        self.serial = -1  # which write this is (a buffer is reused)
-        self.owners = 0  # workers whose newest version this is
-        self.transfers = 0  # network transfers still reading it
-        # A partial update: the version it completed and the byte ranges it changed; a
-        # host whose targets applied that version gets only these ranges.
-        self.base_version = -1
-        self.ranges: tuple[tuple[int, int], ...] = ()
 
 
 class Transfers:
@@ -74,7 +61,7 @@ class Transfers:
         self._layout = layout
         self._acks = table.acks
         self._changed = table.changed
-        self._phase = table.phase  # the sender's state: new | running | closing | closed
+        self._life = table.life  # the sender's phase
         self._copier = copier
         self.store = store
         self.chunk_bytes = chunk_bytes
@@ -82,8 +69,7 @@ class Transfers:
         self._hostname = hostname
         self.device = device  # where the snapshots live and travel from (None: host memory)
         self._timeout = timeout
-        self.bufs: list[Snapshot] = []
-        self._serial = 0
+        self.snapshots = table.snapshots
         self.bytes_sent = 0
         self.last_send_bytes = 0
         self.last_copy_s = 0.0
@@ -102,25 +88,17 @@ class Transfers:
     ) -> list[tuple[Snapshot, list[WorkerId]]]:
         """Write *version*: one snapshot per base (None: whole), each with its members.
         They stay reserved until :meth:`assign`; if a write fails or is cancelled, none is."""
+        ledger = self.snapshots
         written: list[tuple[Snapshot, list[WorkerId]]] = []
         try:
             for base, members in by_base:
-                buf = self._free_buf()
-                buf.transfers += 1  # reserved until assigned: the next group must not take it
+                buf = ledger.reserve()  # held until assigned: the next group must not take it
                 written.append((buf, members))
                 await self._write(buf, flat, base)
-                buf.version = version
-                self._serial += 1
-                buf.serial = self._serial
-                if base is None:
-                    buf.base_version = -1
-                    buf.ranges = ()
-                else:
-                    buf.base_version = base.version
-                    buf.ranges = changed_ranges(self._layout, flat, self.chunk_bytes)
+                ledger.written(buf, version, base, () if base is None else changed_ranges(self._layout, flat, self.chunk_bytes))
         except BaseException:
             for buf, _ in written:
-                buf.transfers -= 1
+                ledger.release(buf)
             raise
         return written
 
@@ -128,16 +106,9 @@ class Transfers:
         """Make each snapshot its members' newest version (the pump moves it)."""
         for buf, members in written:
             for wid in members:
-                self._assign(self._hosts[wid[0]].workers[wid[1]], buf)
-            buf.transfers -= 1
-
-    def _free_buf(self) -> Snapshot:
-        for buf in self.bufs:
-            if buf.owners == 0 and buf.transfers == 0:
-                return buf
-        buf = Snapshot(self._layout, self.device)
-        self.bufs.append(buf)
-        return buf
+                self.snapshots.assign(wid, buf)
+                self._acks.sent(wid, buf.version)
+            self.snapshots.release(buf)
 
     async def _write(self, buf: Snapshot, flat: Any, base: Snapshot | None) -> None:
         keys = self._layout.keys
@@ -151,31 +122,14 @@ class Transfers:
         else:
 
             def keep() -> None:  # the copy thread still writes it: reserved until it is done
-                buf.transfers += 1
+                self.snapshots.hold(buf)
 
             def release() -> None:
-                buf.transfers -= 1
+                self.snapshots.release(buf)
                 self._changed.notify()
 
             await self._copier.run(_copy_snapshot, dst, src, self.device, keep=keep, release=release)
         self.last_copy_s = time.perf_counter() - t0
-
-    def _assign(self, w: RemoteWorker, buf: Snapshot) -> None:
-        """*buf* is *w*'s newest version: it replaces whatever older one was waiting."""
-        old = w.latest
-        if old is not None:
-            old.owners -= 1
-        w.latest = buf
-        buf.owners += 1
-        self._acks.sent(w.wid, buf.version)
-        h = self._hosts[w.wid[0]]
-        local = w.wid[1]
-        for key in list(h.pending):
-            targets = h.pending[key][1]
-            targets.discard(local)
-            if not targets:
-                del h.pending[key]
-        h.pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
 
     async def aclose(self) -> None:
         """Drop the group and every snapshot (the pump and the transfers are ended already)."""
@@ -183,13 +137,8 @@ class Transfers:
             self.group.close()
             self.group = None
         await self._copier.aclose()
-        self.bufs = []
+        self.snapshots.clear()
         self.store = None
-        for h in self._hosts.values():
-            for w in h.workers.values():
-                w.latest = None
-        for h in self._hosts.values():
-            h.pending.clear()
 
     # ----------------------------------------------------------------- the pump
 
@@ -199,9 +148,9 @@ class Transfers:
         host (still landing, or its relay not answering) is left out, and gets its
         workers' newest version once it is done (latest wins), never holding up the others."""
         try:
-            while self._phase() == "running":
-                await self._changed.wait_until(lambda: self._phase() != "running" or self._work_to_do(), None)
-                if self._phase() != "running":
+            while self._life.phase == "running":
+                await self._changed.wait_until(lambda: self._life.phase != "running" or self._work_to_do(), None)
+                if self._life.phase != "running":
                     return
                 if self._table.regroup:
                     await self._end_transfers()
@@ -213,7 +162,8 @@ class Transfers:
 
     def _idle(self) -> list[int]:
         """Members with a version pending and no transfer in flight."""
-        return [h for h in self.members if self._hosts[h].pending and self._hosts[h].state == "connected" and not self._hosts[h].busy]
+        pending = self.snapshots.pending
+        return [h for h in self.members if pending.get(h) and self._hosts[h].state == "connected" and not self._hosts[h].busy]
 
     def _work_to_do(self) -> bool:
         if self._table.regroup:
@@ -227,12 +177,13 @@ class Transfers:
         loop = asyncio.get_running_loop()
         if len(idle) == len(self.members) and not self._transfers:
             # Everybody idle and waiting for the same version: one broadcast.
-            key = min(k for h in idle for k in self._hosts[h].pending)
-            if all(key in self._hosts[h].pending for h in idle):
+            pending = self.snapshots.pending
+            key = min(k for h in idle for k in pending[h])
+            if all(key in pending[h] for h in idle):
                 self._spawn(loop, idle, key)
                 return
         for h in idle:
-            self._spawn(loop, [h], min(self._hosts[h].pending))
+            self._spawn(loop, [h], min(self.snapshots.pending[h]))
 
     def _spawn(self, loop: asyncio.AbstractEventLoop, hosts: list[int], key: tuple[int, int]) -> None:
         for h in hosts:
@@ -285,7 +236,7 @@ class Transfers:
         try:
             # A member lost during the rendezvous would hold it up until the timeout: give up
             # on this generation as soon as membership changes, and form the next one.
-            group = await unless(create, self._changed.wait_until(lambda: self._table.regroup or self._phase() != "running", None))
+            group = await unless(create, self._changed.wait_until(lambda: self._table.regroup or self._life.phase != "running", None))
         except Exception as exc:
             logger.warning("asyncsync: weight-sync group generation %d with hosts %s failed to form (%r); retrying", gen, members, exc)
             self._table.regroup = True
@@ -293,13 +244,13 @@ class Transfers:
         if group is None:
             logger.info("asyncsync: weight-sync group generation %d abandoned: the hosts changed while it formed", gen)
             return
-        if self._table.regroup or self._phase() != "running":
+        if self._table.regroup or self._life.phase != "running":
             group.close()  # membership changed meanwhile: form the next generation
             return
         self.group = group
         self.members = members
         for h in members:
-            self._hosts[h].requeue()
+            self._table.requeue(self._hosts[h])
         logger.info("asyncsync: weight-sync group generation %d: trainer + hosts %s", gen, members)
 
     def _group_timeout(self) -> float:
@@ -312,15 +263,16 @@ class Transfers:
         assert group is not None
         # A newer version for the same workers may have replaced this one (latest wins)
         # between the pump starting this task and the task's first step.
-        hosts = [h for h in hosts if key in self._hosts[h].pending]
+        pending = self.snapshots.pending
+        hosts = [h for h in hosts if key in pending.get(h, {})]
         if not hosts or any(self._hosts[h].stream is None for h in hosts):
             return  # (a host lost meanwhile: the group re-forms, and the pump starts again)
-        buf = self._hosts[hosts[0]].pending[key][0]
+        buf = pending[hosts[0]][key][0]
         version = key[0]
         p2p = set(hosts) != set(self.members)
         self._tag = (self._tag + 1) % (1 << 20)
         tag = self._tag * 2048
-        named = {h: set(self._hosts[h].pending[key][1]) for h in hosts}  # the targets this transfer names
+        named = {h: set(pending[h][key][1]) for h in hosts}  # the targets this transfer names
         delta = bool(buf.ranges) and all(self._holds_base(self._hosts[h], named[h], buf) for h in hosts)
         base, ranges = (buf.base_version, buf.ranges) if delta else (-1, ())
         data: torch.Tensor | list[torch.Tensor] = [buf.tensor[o : o + n] for o, n in ranges] if delta else buf.tensor
@@ -331,7 +283,7 @@ class Transfers:
                 stream.send(Transfer(version, group.generation, p2p, tag, tuple(sorted(named[h])), base, ranges))
             except BrokenChannelError:
                 pass
-        buf.transfers += 1
+        self.snapshots.hold(buf)
         # Counted when issued: the bytes leave now (a worker may ack before the trainer's
         # side of the operation reports completion).
         # Point-to-point: one copy per host. A gloo broadcast is a binomial tree: the root
@@ -354,7 +306,7 @@ class Transfers:
             self.last_send_bytes = sum(self._last_send_parts.values())
 
         def release() -> None:
-            buf.transfers -= 1
+            self.snapshots.release(buf)
 
         async def move() -> bool:
             if p2p:
@@ -375,7 +327,7 @@ class Transfers:
         connections = {h: self._hosts[h].connections for h in (hosts if p2p else self.members)}
 
         def member_lost() -> bool:  # (a host that connected again was lost in between, too)
-            return self._phase() != "running" or any(
+            return self._life.phase != "running" or any(
                 self._hosts[h].state != "connected" or self._hosts[h].connections != n for h, n in connections.items()
             )
 
@@ -387,19 +339,19 @@ class Transfers:
             # generation goes on without it.
             moved = await unless(move(), self._changed.wait_until(member_lost, None))
         except BrokenChannelError as exc:
-            if self._phase() == "running":
+            if self._life.phase == "running":
                 logger.warning("asyncsync: transfer of version %d to hosts %s failed (%s); re-forming the group", version, hosts, exc)
                 self._table.regroup = True
                 self._changed.notify()
             return
         if moved is None:
-            if self._phase() == "running":
+            if self._life.phase == "running":
                 logger.warning("asyncsync: transfer of version %d to hosts %s abandoned: a host was lost during it; re-forming the group", version, hosts)
             return
         for h in hosts:
             host = self._hosts[h]
             host.delivered = max(host.delivered, version)
-            host.pending.pop(key, None)
+            self.snapshots.delivered(h, key)
         self._changed.notify()
 
     @staticmethod

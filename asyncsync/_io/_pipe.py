@@ -26,7 +26,6 @@ import os
 import select
 import socket
 import stat
-import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,7 +34,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from .._errors import BrokenChannelError, ClosedError, WouldBlock, format_seconds
+from .._errors import BrokenChannelError, ClosedError, WouldBlock
 from ._framing import EMPTY, HEADER, dumps, frame_header, header_bytes, parse_frame
 
 __all__ = ["DEFAULT_MAX_BUFFER", "FDS_NEED_SOCKET", "FdEnd", "FramedPipe"]
@@ -50,7 +49,6 @@ _SCM_MAX_FD = 253  # Linux: most descriptors one SCM_RIGHTS message carries
 _ANC_SPACE = socket.CMSG_SPACE(_SCM_MAX_FD * array.array("i").itemsize)
 _RECV_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 _SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
-_FDS_TIMEOUT = 10.0  # how long recv_fds waits for descriptors announced by a message
 _CLOSE_FLUSH_TIMEOUT = 1.0  # how long aclose tries to flush what is buffered
 FDS_NEED_SOCKET = "file descriptors pass only over a duplex Pipe (a Unix socket)"
 
@@ -259,7 +257,7 @@ class FramedPipe(FdEnd):
                 fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
         batch = list(fds)
         if flags & socket.MSG_CTRUNC:
-            batch.append(-1)  # descriptors were dropped: recv_fds will refuse this batch
+            batch.append(-1)  # descriptors were dropped: receiving this batch is refused
         self._fd_batches.append(batch)
 
     def _raise_broken(self) -> None:
@@ -355,33 +353,23 @@ class FramedPipe(FdEnd):
         self._wbytes += 1
         self._start_flush()
 
-    def recv_fds(self, count: int) -> list[int]:
-        """*count* descriptors from :meth:`send_fds`, right after the frame announcing
-        them; blocks for at most 10 s (see :meth:`AsyncQueue.recv_fds <._queues.AsyncQueue.recv_fds>`)."""
+    def receive_fds_nowait(self, count: int) -> list[int]:
+        """*count* descriptors from :meth:`send_fds`, right after the frame announcing them,
+        if they are here; else :class:`WouldBlock`."""
         self.check_open()
         if count == 0:
             return []
         self._require_socket()
-        deadline: float | None = None
         while not self._fd_batches:
             if self._fill():
                 continue
             if self._eof:
                 self._raise_broken()
-            if deadline is None:
-                deadline = time.monotonic() + _FDS_TIMEOUT
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BrokenChannelError(
-                    f"the {count} announced file descriptors did not arrive within {format_seconds(_FDS_TIMEOUT)}"
-                )
-            poller = select.poll()
-            poller.register(self._fd, select.POLLIN)
-            poller.poll(max(1, int(remaining * 1000)))
+            raise WouldBlock(f"the {count} announced file descriptors have not arrived yet")
         return self._take_fds(count)
 
     async def receive_fds(self, count: int) -> list[int]:
-        """:meth:`recv_fds`, waiting in the event loop (from the reading task); cancel-safe."""
+        """:meth:`receive_fds_nowait`, waiting in the event loop (from the reading task); cancel-safe."""
         await anyio.lowlevel.checkpoint()
         self.check_open()
         if count == 0:

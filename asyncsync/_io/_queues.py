@@ -165,12 +165,29 @@ class AsyncQueue(Generic[T]):
             if msg is not EMPTY:
                 return msg
 
-    def _listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
-        """:meth:`FramedPipe.listen <._pipe.FramedPipe.listen>`: the scheme's own channels
-        read frames from the loop's reader callback. Do not ``get`` while listening."""
+    def listen(self, on_frame: Callable[[bytes], bool], on_end: Callable[[Exception], None]) -> None:
+        """Read raw frames as they arrive, in the event loop's reader callback (no task, no
+        wake-up per message): ``on_frame(frame)`` for each (it returns False to stop
+        listening and leave the rest buffered), ``on_end(exc)`` once the channel ends.
+        Do not ``get`` while listening; the callbacks must not block.
+
+        Example::
+
+            import multiprocessing
+
+            ours, theirs = multiprocessing.Pipe()
+            queue, peer = AsyncQueue(ours), AsyncQueue(theirs)
+            got = asyncio.get_running_loop().create_future()
+            queue.listen(lambda frame: got.set_result(frame) is None, lambda exc: None)
+            peer.put_bytes_nowait(b"hello")
+            print(await got)                  # b'hello'
+            queue.unlisten()
+            await queue.aclose()
+            await peer.aclose()
+        """
         self._end.listen(on_frame, on_end)
 
-    def _unlisten(self) -> None:
+    def unlisten(self) -> None:
         """Stop listening (idempotent); buffered frames stay for the next reader."""
         self._end.unlisten()
 
@@ -180,24 +197,21 @@ class AsyncQueue(Generic[T]):
         """Pass file descriptors to the peer (Unix socket pipes only, SCM_RIGHTS).
 
         They travel in order with the messages: send the message that announces them
-        first, then call ``send_fds``; the peer calls :meth:`recv_fds` (or
-        :meth:`receive_fds`) right after it got that message. The descriptors are
+        first, then call ``send_fds``; the peer calls :meth:`receive_fds` (or
+        :meth:`receive_fds_nowait`) right after it got that message. The descriptors are
         duplicated, so the caller may close its own at once. Never raises
         :class:`WouldBlock`: the high-water mark does not apply here.
         """
         self._end.send_fds(fds)
 
-    def recv_fds(self, count: int) -> list[int]:
-        """Receive *count* descriptors sent with :meth:`send_fds`, right after the message announcing them.
-
-        The sender writes them right behind that message, so they are normally here
-        already; otherwise this blocks (at most 10 s, then :class:`BrokenChannelError`).
-        In a task prefer :meth:`receive_fds`, which waits in the event loop.
-        """
-        return self._end.recv_fds(count)
+    def receive_fds_nowait(self, count: int) -> list[int]:
+        """The *count* descriptors sent with :meth:`send_fds` right after the message that
+        announced them, if they arrived; else :class:`WouldBlock` (the sender writes them
+        right behind the message, so they normally have)."""
+        return self._end.receive_fds_nowait(count)
 
     async def receive_fds(self, count: int) -> list[int]:
-        """Like :meth:`recv_fds`, but waits in the event loop; cancel-safe.
+        """The *count* descriptors sent with :meth:`send_fds`, waiting in the event loop; cancel-safe.
 
         Uses the reader's descriptor wait: call it from the task that reads.
         """
@@ -290,7 +304,7 @@ class _QueueEnd(FdEnd):
         self.check_open()
         raise TypeError(FDS_NEED_SOCKET)
 
-    def recv_fds(self, count: int) -> list[int]:
+    def receive_fds_nowait(self, count: int) -> list[int]:
         self.check_open()
         if count == 0:
             return []
@@ -298,7 +312,7 @@ class _QueueEnd(FdEnd):
 
     async def receive_fds(self, count: int) -> list[int]:
         await anyio.lowlevel.checkpoint()
-        return self.recv_fds(count)
+        return self.receive_fds_nowait(count)
 
     def put_nowait(self, item: Any) -> None:
         self.check_open()

@@ -22,7 +22,7 @@ import torch
 
 from .._core._offload import Offload
 
-__all__ = ["Stager", "copy_tensors", "device_problem", "stream_done"]
+__all__ = ["Stager", "copy_tensors", "stream_done"]
 
 T = TypeVar("T")
 
@@ -76,27 +76,6 @@ def _copy_inference(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) ->
     """:func:`copy_tensors` into inference tensors (inference mode is per thread)."""
     with torch.inference_mode():
         copy_tensors(dst, src)
-
-
-def device_problem(device: torch.device) -> str | None:
-    """Why this process cannot use *device* (a CUDA device it has not), or None."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available in this process"
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            return f"this process sees {count} CUDA device(s)"
-    elif device.type == "meta":
-        return "the meta device holds no data"
-    elif device.type != "cpu" and not _backend_available(device):
-        return f"the {device.type!r} backend is not available in this process"
-    return None
-
-
-def _backend_available(device: torch.device) -> bool:
-    module = getattr(torch, device.type, None)
-    is_available = getattr(module, "is_available", None)
-    return bool(is_available()) if callable(is_available) else True
 
 
 async def stream_done(stream: Any) -> None:

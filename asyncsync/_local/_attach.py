@@ -51,7 +51,7 @@ from .._wire._auth import HANDSHAKE_LIMIT, mac, new_nonce, resolve_token, welcom
 from .._wire._control import HEADER_BYTES, Auth, Bye, Challenge, Welcome, decode_handshake, encode
 
 if TYPE_CHECKING:
-    from ._sender import Sender
+    from ._transport import LocalTransport
 
 __all__ = ["ADDRESS_ENV", "Listener", "WorkerAddress", "dial"]
 
@@ -199,16 +199,16 @@ def _to_connection(sock: socket.socket) -> Connection:
 
 class Listener:
     """The trainer's listening socket: authenticates joining workers and hands each
-    accepted socket to the sender as worker *k*'s next link. Made by ``scheme.listen()``.
+    accepted socket to the sender's transport as worker *k*'s next link. Made by ``scheme.listen()``.
 
     ``refused`` counts refused connections (wrong token, unknown or taken worker index);
     each is logged as a warning.
     """
 
-    def __init__(self, sender: Sender, address: WorkerAddress, token: bytes, sock: socket.socket, own_dir: str | None) -> None:
+    def __init__(self, transport: LocalTransport, address: WorkerAddress, token: bytes, sock: socket.socket, own_dir: str | None) -> None:
         self.address = address
         self.refused = 0
-        self._sender = sender
+        self._transport = transport
         self._token = token
         self._sock: socket.socket | None = sock
         self._own_dir = own_dir
@@ -216,7 +216,7 @@ class Listener:
         self._accepting = asyncio.get_running_loop().create_task(self._accept(), name="asyncsync-attach-accept")
 
     @classmethod
-    async def open(cls, sender: Sender, options: Mapping[str, Any], path: str | None, token: str | bytes | None) -> Listener:
+    async def open(cls, transport: LocalTransport, options: Mapping[str, Any], path: str | None, token: str | bytes | None) -> Listener:
         raw = resolve_token(token)
         if raw is None:
             raw = secrets.token_urlsafe(24).encode()
@@ -246,7 +246,7 @@ class Listener:
                 shutil.rmtree(own_dir, ignore_errors=True)
             raise
         logger.info("asyncsync: listening for workers at %s", path)
-        return cls(sender, address, raw, sock, own_dir)
+        return cls(transport, address, raw, sock, own_dir)
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
@@ -276,16 +276,16 @@ class Listener:
             if not hmac.compare_digest(msg.mac, attach_mac(self._token, nonce, idx)):
                 self._refuse(sock, idx, _REFUSED_TOKEN, "the token was refused", msg.pid)
                 return
-            reason = self._sender.attach_refusal(idx)
+            reason = self._transport.attach_refusal(idx)
             if reason is not None:
-                code = _REFUSED_INDEX if idx not in self._sender.worker_ids else _REFUSED_TAKEN
+                code = _REFUSED_INDEX if idx not in self._transport.worker_ids else _REFUSED_TAKEN
                 self._refuse(sock, idx, code, reason, msg.pid)
                 return
             welcome = _frame(Welcome(welcome_mac(self._token, msg.nonce)))
             if sock.send(welcome) != len(welcome):  # an empty socket buffer takes it whole
                 raise OSError("could not write the welcome")
             # No await since attach_refusal(): nobody else took this index meanwhile.
-            self._sender.adopt_link(idx, _to_connection(sock))
+            self._transport.adopt_link(idx, _to_connection(sock))
             logger.info("asyncsync: worker %d attached (pid %d)", idx, msg.pid)
         except (OSError, EOFError, ProtocolError, TimeoutError) as exc:
             logger.warning("asyncsync: a connection to %s ended during its handshake: %r", self.address.path, exc)

@@ -18,25 +18,25 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from .._core._layout import Layout
+from .._core._options import Commit, Strategy, device_problem
 from .._core._ownership import BufferRoles, Weights, debug_enabled
-from .._core._strategy import Strategy, as_user_weights, bind_targets
+from .._core._weights import as_user_weights, bind_targets
 from .._io._shm import Segment
-from .._io._staging import copy_tensors, device_problem
+from .._io._staging import copy_tensors
 from ._bucket import SlotBucket
 
-__all__ = ["Binding", "Commit", "Committer", "ModelWatch", "OnUpdate", "bind_model", "copy_problems", "rebind_model"]
+__all__ = ["Committer", "ModelWatch", "OnUpdate", "bind_model", "copy_problems", "rebind_model"]
 
 logger = logging.getLogger("asyncsync")
 
 _version_of = operator.attrgetter("_version")  # a tensor's in-place write counter
 
-Commit = Literal["swap", "copy"]
 OnUpdate = Callable[[Any, int], "Awaitable[None] | None"]
 
 

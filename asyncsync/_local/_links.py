@@ -12,13 +12,12 @@ for a replacement.
 A polled worker (one that sent ``Poll``) gets a mailbox in shared memory instead: its
 versions are written there, and it writes its acks of applied versions there too, then
 the sender's one wake (an eventfd) for all polled workers: :class:`_PolledAcks` reads the
-wake once and takes every polled worker's new ack in one pass (see ``_poll``). A send to
+wake once and takes every polled worker's new ack in one pass (see ``_mailbox``). A send to
 a polled worker whose version in the mailbox is unanswered takes its ack words itself,
 then writes the newest version over that one (:meth:`LinkTable._replace`): latest wins
 without the loop reading acks in between.
 
-:class:`LinkTable` is the half of :class:`~._sender.Sender` that does this; the sender
-holds the state it reads (declared below).
+:class:`LinkTable` does this for the :class:`~._transport.LocalTransport` that owns it.
 """
 
 from __future__ import annotations
@@ -34,10 +33,18 @@ from typing import Any, Protocol
 
 import anyio
 
-from .._core._acks import AckTracker, WorkerRecord
+from .._core._acks import WorkerRecord
+from .._core._delivery import Delivery
 from .._core._ownership import Ref, SlotLedger
-from .._core._signal import Signal
-from .._errors import BrokenChannelError, ClosedError, ProtocolError, WorkerDiedError, WorkerLeftError, WouldBlock
+from .._errors import (
+    BrokenChannelError,
+    ClosedError,
+    ProtocolError,
+    WorkerDiedError,
+    WorkerGoneError,
+    WorkerLeftError,
+    WouldBlock,
+)
 from .._io._framing import HEADER
 from .._io._queues import AsyncQueue
 from .._io._slots import Slot, SlotPool
@@ -55,8 +62,8 @@ from .._wire._local import (
     decode_from_worker,
     encode,
 )
-from ._poll import MAILBOX_BYTES, Wake
-from ._poll import Mailbox as _Mailbox
+from ._mailbox import MAILBOX_BYTES, Wake
+from ._mailbox import Mailbox as _Mailbox
 
 __all__ = ["LinkTable", "SenderObserver"]
 
@@ -181,24 +188,40 @@ class SenderObserver(Protocol):
     def worker_answered(self, worker_idx: int, ack: Ack) -> None:
         """Worker *worker_idx* applied (``ack.ok``) or rejected ``ack.version``."""
 
-    def worker_lost(self, worker_idx: int, death: WorkerDiedError) -> None:
+    def worker_lost(self, worker_idx: int, death: WorkerGoneError) -> None:
         """Worker *worker_idx* died or left (a :class:`WorkerLeftError`)."""
 
 class LinkTable:
-    """Each worker's current channel and what it says on it (see the module docstring)."""
+    """Each worker's current channel and what it says on it (see the module docstring).
 
-    _workers: dict[int, _Worker]
-    _ledger: SlotLedger
-    _pool: SlotPool
-    _acks: AckTracker[int, _Worker]
-    _changed: Signal
-    _state: str
-    _ctx: mp.context.BaseContext
-    _setup_frames: dict[int, bytes]
-    _observer: SenderObserver | None
-    _polled: _PolledAcks | None = None  # made with the first polled link
+    It reports into the sender's :class:`~.._core._delivery.Delivery` (acks, states, the
+    change signal) and the slot ledger, and tells its :attr:`observer`, if any.
+    """
 
-    def _new_link(self, w: _Worker) -> _Link:
+    def __init__(
+        self,
+        workers: dict[int, _Worker],
+        *,
+        delivery: Delivery[int, _Worker],
+        pool: SlotPool,
+        ledger: SlotLedger,
+        ctx: mp.context.BaseContext,
+        setup_frames: dict[int, bytes],
+    ) -> None:
+        self._workers = workers
+        self._life = delivery.life
+        self._acks = delivery.acks
+        self._changed = delivery.changed
+        self._pool = pool
+        self._ledger = ledger
+        self._ctx = ctx
+        self._setup_frames = setup_frames
+        self.observer: SenderObserver | None = None
+        self._polled: _PolledAcks | None = None  # made with the first polled link
+        for w in workers.values():
+            self.new_link(w)
+
+    def new_link(self, w: _Worker) -> _Link:
         ours, theirs = self._ctx.Pipe(duplex=True)
         w.links += 1
         w.link = _Link(w.links, ours, theirs)
@@ -208,7 +231,7 @@ class LinkTable:
         """Why a process attaching by address cannot be worker *idx* now (None: it can)."""
         if idx not in self._workers:
             return f"worker {idx} is not one of the trainer's workers {sorted(self._workers)}"
-        if self._state in ("closing", "closed"):
+        if self._life.phase in ("closing", "closed"):
             return "the trainer is closing"
         w = self._workers[idx]
         link = w.link
@@ -227,7 +250,7 @@ class LinkTable:
         old = w.link
         if old is not None:
             old.close_mailbox()
-            old.queue._unlisten()
+            old.queue.unlisten()
             for t in old.tasks:
                 t.cancel()
             old.queue.close()
@@ -235,19 +258,19 @@ class LinkTable:
                 old.child_conn.close()
         w.links += 1
         w.link = _Link(w.links, conn, None)
-        if self._state == "running":
-            self._start_tasks(w, w.link, asyncio.get_running_loop())
+        if self._life.phase == "running":
+            self.start_tasks(w, w.link, asyncio.get_running_loop())
 
     @staticmethod
-    def _drop_sentinel(w: _Worker) -> None:
+    def drop_sentinel(w: _Worker) -> None:
         if w.sentinel is not None:
             os.close(w.sentinel)
             w.sentinel = None
 
-    def _release_unused(self) -> None:
+    def release_unused(self) -> None:
         self._pool.release_unused()
 
-    def _pump(self, w: _Worker) -> None:
+    def pump(self, w: _Worker) -> None:
         """Send the worker its newest version if nothing is in flight (latest wins)."""
         link = w.link
         if w.state != "connected" or link is None or link.delivered_sends == w.sends:
@@ -262,7 +285,7 @@ class LinkTable:
 
     def _replace(self, w: _Worker, link: _Link, mailbox: _Mailbox) -> None:
         """Latest wins in a polled worker's mailbox: write its newest version over the one
-        it has not answered, then read its claim and take its ack words (see ``_poll``): the
+        it has not answered, then read its claim and take its ack words (see ``_mailbox``): the
         replaced slot stays held (``maybe``) only if the worker may be taking it."""
         held = self._ledger.links.get(w.idx)
         if held is None or held.in_flight is None:
@@ -326,11 +349,11 @@ class LinkTable:
         except (BrokenChannelError, ClosedError, WouldBlock):
             pass  # the channel's end is noticed by its reader callback, which reports it
 
-    def _start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
+    def start_tasks(self, w: _Worker, link: _Link, loop: asyncio.AbstractEventLoop) -> None:
         # Answers are handled in the loop's reader callback: no task wakes up per message.
-        link.queue._listen(functools.partial(self._on_frame, w, link), functools.partial(self._on_channel_end, w, link))
+        link.queue.listen(functools.partial(self._on_frame, w, link), functools.partial(self._on_channel_end, w, link))
         if w.sentinel is not None:
-            link.tasks.append(loop.create_task(self._watch_sentinel(w, link)))
+            link.tasks.append(loop.create_task(self.watch_sentinel(w, link)))
 
     def _on_frame(self, w: _Worker, link: _Link, data: bytes) -> bool:
         if link is not w.link:
@@ -378,7 +401,7 @@ class LinkTable:
         except (WouldBlock, BrokenChannelError, ClosedError):
             pass  # a malformed last word (ProtocolError) is ignored: the worker is gone anyway
 
-    async def _watch_sentinel(self, w: _Worker, link: _Link) -> None:
+    async def watch_sentinel(self, w: _Worker, link: _Link) -> None:
         sentinel = w.sentinel
         if sentinel is None:
             return
@@ -408,26 +431,26 @@ class LinkTable:
             link.queue.put_bytes_nowait(self._setup_frames[w.idx])
         except (BrokenChannelError, ClosedError):
             return
-        self._pump(w)
+        self.pump(w)
         self._changed.notify()
 
     def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
         link.answered = True
         self._ledger.on_ack(w.idx, ack.version, ack.ok, ack.holds)
-        if self._observer is not None:
+        if self.observer is not None:
             try:
-                self._observer.worker_answered(w.idx, ack)
+                self.observer.worker_answered(w.idx, ack)
             except Exception:  # the observer's failure is not the worker's: it stays connected
                 logger.exception("worker %d: the sender's observer failed on its answer", w.idx)
         self._acks.ack(w.idx, ack.version, ack.ok, ack.error, ack.stage_s, ack.commit_s)  # (it notifies)
         if link.delivered_sends != w.sends:  # a newer version waits for this answer (what _pump checks first)
-            self._pump(w)
+            self.pump(w)
         if not self._pool.reuse:
-            self._release_unused()  # (no notify: the ack above woke the waiters)
+            self.release_unused()  # (no notify: the ack above woke the waiters)
 
     def _after_answer(self, w: _Worker) -> None:
-        self._pump(w)
-        self._release_unused()
+        self.pump(w)
+        self.release_unused()
         self._changed.notify()
 
     async def _on_lost(self, w: _Worker, link: _Link, broken: ProtocolError | None = None) -> None:
@@ -435,10 +458,10 @@ class LinkTable:
         if link is not w.link or link.lost:
             return  # an older channel, or already handled
         link.lost = True
-        link.queue._unlisten()
+        link.queue.unlisten()
         if broken is None:
             self._drain(w, link)
-        if self._state in ("closing", "closed") and w.state == "connected":
+        if self._life.phase in ("closing", "closed") and w.state == "connected":
             self._acks.stopped(w.idx)
         elif broken is not None:
             reason = str(broken) if isinstance(broken, _SecondHello) else f"it sent a malformed message ({type(broken).__name__}: {broken})"
@@ -446,11 +469,11 @@ class LinkTable:
             death.__cause__ = broken
             self._acks.lost(w.idx, "dead", death)
             w.process = None  # its process may run on: it is no longer this worker
-            self._drop_sentinel(w)
+            self.drop_sentinel(w)
         elif link.bye is not None:
             self._acks.lost(w.idx, "left", WorkerLeftError(w.idx, link.bye.reason, link.bye.version, link.pid))
             w.process = None  # its process may run on: it is no longer this worker
-            self._drop_sentinel(w)
+            self.drop_sentinel(w)
         else:
             process = w.process
             exitcode = None
@@ -464,10 +487,10 @@ class LinkTable:
                 return
             self._acks.lost(w.idx, "dead", WorkerDiedError(w.idx, exitcode, link.pid), exitcode)
             w.process = None
-            self._drop_sentinel(w)
-        if self._observer is not None and w.death is not None and w.state in ("dead", "left"):
+            self.drop_sentinel(w)
+        if self.observer is not None and w.death is not None and w.state in ("dead", "left"):
             try:
-                self._observer.worker_lost(w.idx, w.death)
+                self.observer.worker_lost(w.idx, w.death)
             except Exception:
                 logger.exception("worker %d: the sender's observer failed on its loss", w.idx)
         if broken is not None:
@@ -482,12 +505,12 @@ class LinkTable:
                 t.cancel()
         link.queue.close()
         link.close_mailbox()
-        if self._state == "running":
+        if self._life.phase == "running":
             # A replacement for this index can attach through a new channel.
-            new = self._new_link(w)
+            new = self.new_link(w)
             self._ledger.connect(w.idx)
-            self._start_tasks(w, new, asyncio.get_running_loop())
-        self._release_unused()
+            self.start_tasks(w, new, asyncio.get_running_loop())
+        self.release_unused()
         self._changed.notify()
 
 

@@ -8,9 +8,9 @@ be stopped (the copy thread, a network receive left to its backend) keeps the sl
 reserved until it is done (:meth:`Publisher.keep_until`, :meth:`Publisher.written_late`):
 a slot is never handed out while something still writes it.
 
-A writer outside the sender (a relay) uses :class:`Reservation`, from ``Sender.reserve``::
+A writer outside the sender (a relay) uses :class:`Reservation`, from ``LocalTransport.reserve``::
 
-    async with sender.reserve(version, targets, base_version=None) as landing:
+    async with transport.reserve(version, targets, base_version=None) as landing:
         if await receive_into(landing.buffer):      # writes the slot, in place
             landing.publish()                       # the targets' newest version
         else:                                       # gave up; the receive still writes it
@@ -24,17 +24,18 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
+from typing import Literal
 
 import torch
 
-from .._core._acks import WorkerRecord
+from .._core._acks import Lifecycle, WorkerRecord
 from .._core._deadline import Deadline, locked_within
 from .._core._flat import SpanCopier
 from .._core._layout import Layout
 from .._core._offload import THREAD_COPY_BYTES, Offload
 from .._core._ownership import SlotLedger
 from .._core._signal import Signal
-from .._core._strategy import KnownSource
+from .._core._weights import KnownSource
 from .._errors import CapacityError, ClosedError, SyncTimeoutError, WeightsError
 from .._io._slots import Slot, SlotPool
 from .._io._staging import copy_tensors
@@ -55,7 +56,7 @@ class Publisher:
         records: Mapping[int, WorkerRecord],
         copier: Offload,
         changed: Signal,
-        phase: Callable[[], str],
+        life: Lifecycle,
     ) -> None:
         self.pool = pool
         self.ledger = ledger
@@ -63,7 +64,7 @@ class Publisher:
         self._records = records  # for the versions a slot timeout reports
         self._copier = copier
         self._changed = changed
-        self._phase = phase  # the sender's state: new | running | closing | closed
+        self._life = life  # the sender's phase
         self._spans = SpanCopier(layout)  # one copy per span of a flattened source
         self.bytes = 0  # bytes written into slots so far
         self.last_copy_s = 0.0
@@ -76,7 +77,7 @@ class Publisher:
         got: list[Slot] = []
 
         def free_slot() -> bool:
-            if self._phase() != "running":
+            if self._life.phase != "running":
                 raise ClosedError("the sender was closed while waiting for a free slot")
             slot = self.pool.acquire()
             if slot is not None:
@@ -155,7 +156,7 @@ class Publisher:
         """The writer a failed send left behind (copy thread, network receive) is done: free its slot."""
         slot.copying = False
         self.ledger.unreserve(slot.id)
-        if self._phase() != "closed":
+        if self._life.phase != "closed":
             self.pool.release_unused()
         self._changed.notify()
 
@@ -163,7 +164,7 @@ class Publisher:
 class Reservation:
     """One slot reserved for *version*, written by its holder, then published or given back.
 
-    Made by ``Sender.reserve()``; use it as ``async with``. Entering takes the sender's send
+    Made by ``LocalTransport.reserve()``; use it as ``async with``. Entering takes the sender's send
     lock (one writer at a time) and a free slot; for a partial update (*base_version*) the
     slot first gets a copy of the targets' newest version. :attr:`buffer` and :attr:`views`
     write the slot in place. Leaving without :meth:`publish` gives the slot back, also on an
@@ -172,7 +173,7 @@ class Reservation:
 
     Example::
 
-        async with sender.reserve(3, [0, 1]) as landing:
+        async with transport.reserve(3, [0, 1]) as landing:
             landing.buffer.copy_(wire_bytes)
             landing.publish()
     """
@@ -200,7 +201,7 @@ class Reservation:
         self._slot: Slot | None = None
         self._based = False
         self.published = False
-        self._state = "new"  # new | reserved | published | abandoned | done
+        self._state: Literal["new", "reserved", "published", "abandoned", "done"] = "new"
         self._writer: asyncio.Future[None] | None = None
 
     async def __aenter__(self) -> Reservation:

@@ -27,12 +27,11 @@ import torch
 from torch import nn
 
 from .._core._layout import Layout
+from .._core._options import DEFAULT, Commit, CommitMode, Strategy, UseDefault, check_poll, resolve_timeout
 from .._core._ownership import BufferRoles, Weights
 from .._core._signal import Signal
-from .._core._strategy import Strategy
 from .._errors import BrokenChannelError, ClosedError, ProtocolError, SenderDiedError, SyncTimeoutError, WouldBlock
 from .._io._queues import AsyncQueue
-from .._options import DEFAULT, UseDefault, resolve_timeout
 from .._stats import ReceiverStatistics
 from .._wire._local import (
     Ack,
@@ -51,16 +50,17 @@ from .._wire._local import (
     encode,
 )
 from ._bucket import SlotBucket
-from ._commit import Binding, Commit, Committer, ModelWatch, OnUpdate, bind_model, rebind_model
+from ._commit import Binding, Committer, ModelWatch, OnUpdate, bind_model, rebind_model
 from ._faults import installed as _installed_faults
-from ._poll import Mailbox as _Mailbox
+from ._mailbox import Mailbox as _Mailbox
 from ._stage import SlotStaging
 
-__all__ = ["Commit", "CommitMode", "OnUpdate", "Receiver"]
+__all__ = ["OnUpdate", "Receiver"]
+
+ReceiverState = Literal["new", "running", "closed"]
 
 logger = logging.getLogger("asyncsync")
 
-CommitMode = Literal["auto", "manual"]
 
 
 class Receiver:
@@ -101,8 +101,7 @@ class Receiver:
         device: torch.device | str | None = None,
         poll: bool = False,
     ) -> None:
-        if poll and commit_mode == "manual":
-            raise ValueError("poll=True commits at each poll_nowait(): it needs commit_mode='auto', not 'manual'")
+        check_poll(poll, commit_mode)
         self.worker_idx = worker_idx
         self._model = model
         self.commit_kind = commit
@@ -130,7 +129,7 @@ class Receiver:
         self._no_bye = False  # the sender stopped us or is gone, or a test kills us: say no Bye
         self._released = False
         self._close_reason = "the worker closed its receiver"  # the goodbye's reason, unless the task says otherwise
-        self._state = "new"
+        self._state: ReceiverState = "new"
         self._connected = False  # a connect() returned (one that timed out or was cancelled may be retried)
         self._faults = _installed_faults.get()  # asyncsync.testing's fault injection, else None
 
@@ -339,16 +338,13 @@ class Receiver:
             last_callback_error=self._committer.last_callback_error,
         )
 
-    async def aclose(self) -> None:
-        """End the receiver task and close the channel (idempotent).
+    async def aclose(self, *, reason: str = "the worker closed its receiver") -> None:
+        """End the receiver task and close the channel (idempotent); *reason* is what the
+        goodbye tells the trainer (its :class:`WorkerLeftError` says it).
 
         The model keeps its weights: any that view a shared slot are first copied into
         this process's memory, so the sender's later sends never change them.
         """
-        await self._close("the worker closed its receiver")
-
-    async def _close(self, reason: str) -> None:
-        """:meth:`aclose`, telling the sender *reason* in the goodbye."""
         if self._state == "closed":
             return
         self._state = "closed"
@@ -446,11 +442,11 @@ class Receiver:
             if not waiter.done():
                 waiter.set_exception(exc)
 
-        self._queue._listen(on_frame, on_end)
+        self._queue.listen(on_frame, on_end)
         try:
             return await waiter
         finally:
-            self._queue._unlisten()
+            self._queue.unlisten()
 
     async def _handle(self, batch: list[ToWorker]) -> bool:
         """Process messages in order; of several Receives only the newest is applied."""

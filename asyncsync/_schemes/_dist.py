@@ -27,40 +27,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import os
-import secrets
-from collections.abc import Iterable, Mapping
-from types import TracebackType
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from .._core._delivery import Delivery, WorkerIds
 from .._core._layout import Layout
+from .._core._options import (
+    DEFAULT,
+    Commit,
+    CommitMode,
+    OnWorkerError,
+    SchemeOptions,
+    Strategy,
+    Timeout,
+    UseDefault,
+    check_poll,
+    parse_device,
+    resolve_timeout,
+)
+from .._core._sender import Sender
 from .._core._source import configured_source
-from .._core._strategy import Strategy, resolve_model, to_flat
+from .._core._weights import resolve_model, to_flat
+from .._dist._dataplane import DEFAULT_CHUNK_BYTES
+from .._dist._relay import Relay
+from .._dist._rendezvous import Rendezvous
+from .._dist._transport import RemoteTransport, WorkerId, is_pair
 from .._errors import ClosedError
 from .._io._loop_thread import LoopThread
-from .._local._loopback import loopback_worker
-from .._local._receiver import Commit, CommitMode, OnUpdate, Receiver
-from .._local._scheme import MultiProcessWeightSyncScheme, _check_poll, _parse_device
-from .._options import DEFAULT, OnWorkerError, SchemeOptions, UseDefault, resolve_timeout
-from .._stats import DistributedStatistics, ReceiverStatistics, SenderStatistics
-from ._control import resolve_token
-from ._dataplane import DEFAULT_CHUNK_BYTES
-from ._relay import Relay
-from ._sender import DistSender, WorkerId
+from .._local._receiver import OnUpdate
+from ._base import SchemeBase
+from ._local import MultiProcessWeightSyncScheme, loopback_worker
 
 __all__ = ["DistributedWeightSyncScheme"]
 
 SILENCE_BEATS = 5
 """The default ``silence_timeout`` is at least this many heartbeat periods."""
 
+PAIR = WorkerIds("a (host, local index) pair", is_pair)
 
 
-class DistributedWeightSyncScheme:
+class DistributedWeightSyncScheme(SchemeBase[WorkerId]):
     """Weight synchronisation from one trainer to worker processes on several hosts.
 
     Args (those of :class:`MultiProcessWeightSyncScheme`, plus):
@@ -137,9 +147,7 @@ class DistributedWeightSyncScheme:
         backend: str = "gloo",
         device: str | torch.device | None = None,
     ) -> None:
-        options = SchemeOptions(strategy, sync, timeout, commit, commit_mode, on_worker_error, check_finite, transfer_dtype)
-        self._scheme_options = options
-        self._options: dict[str, Any] = options.kwargs()  # each relay's local scheme gets the same
+        super().__init__(SchemeOptions(strategy, sync, timeout, commit, commit_mode, on_worker_error, check_finite, transfer_dtype))
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -153,17 +161,9 @@ class DistributedWeightSyncScheme:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         if heartbeat <= 0:
             raise ValueError(f"heartbeat must be positive, got {heartbeat}")
-        self.strategy = strategy
-        self.sync = sync
-        self.timeout = timeout
-        self.transfer_dtype = transfer_dtype
-        self.check_finite = check_finite
-        self.on_worker_error = on_worker_error
-        self.rank = int(rank if rank is not None else os.environ.get("RANK", 0))
-        self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
-        self.master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        self._explicit_port = master_port
-        self.master_port = int(master_port if master_port is not None else os.environ.get("MASTER_PORT", 29500))
+        self._rendezvous = Rendezvous.of(
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, store=store, token=token, timeout=timeout
+        )
         self.bind = bind or self.master_addr
         self.chunk_bytes = chunk_bytes
         self.heartbeat = heartbeat
@@ -178,71 +178,41 @@ class DistributedWeightSyncScheme:
         self.backend = backend
         self.device = torch.device(device) if device is not None else None
         self._wire_device: torch.device | None = None  # gloo: host memory (a test may set a CUDA one)
-        self._token = resolve_token(token)
-        self._user_store = store
-        self._store: Any = None
-        self._sender: DistSender | None = None
+        self._transport: RemoteTransport | None = None
         self._relay: Relay | None = None
         self._local: MultiProcessWeightSyncScheme | None = None
         self._worker: MultiProcessWeightSyncScheme | None = None  # init_on_receiver: the worker in this process
-        # init_on_receiver: the relay's own loop thread (the worker's loop may block for a long
-        # synchronous step while the relay keeps landing weights and answering the trainer)
-        self._relay_loop: LoopThread | None = None
-        self._relay_closed = False
 
-    # ------------------------------------------------------------------ rendezvous
+    @property
+    def rank(self) -> int:
+        return self._rendezvous.rank
 
-    def _open_store(self) -> Any:
-        """A ``PrefixStore("asyncsync/", ...)`` over the user's, torchrun's or our own store."""
-        if self._store is not None:
-            return self._store
-        timeout = datetime.timedelta(seconds=self.timeout if self.timeout is not None else 300.0)
-        if self._user_store is not None:
-            base = self._user_store
-        elif self._agent_store():
-            base = TCPStore(self.master_addr, self.master_port, None, False, timeout)
-        else:
-            base = TCPStore(self.master_addr, self._store_port(), None, self.rank == 0, timeout, wait_for_workers=False)
-        self._store = PrefixStore("asyncsync/", base)
-        return self._store
+    @property
+    def world_size(self) -> int:
+        return self._rendezvous.world_size
 
-    def _agent_store(self) -> bool:
-        return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and self._explicit_port is None
+    @property
+    def master_addr(self) -> str:
+        return self._rendezvous.master_addr
 
-    def _store_port(self) -> int:
-        """The port of the rendezvous store on ``master_addr`` (unless one was passed as ``store=``)."""
-        if self._agent_store():
-            return self.master_port
-        return self._explicit_port if self._explicit_port is not None else self.master_port + 1
-
-    def _store_name(self) -> str:
-        if self._user_store is not None:
-            return "the store passed as store="
-        if self._agent_store():
-            return f"torchrun's agent store ({self.master_addr}:{self.master_port})"
-        return f"{self.master_addr}:{self._store_port()}"
+    @property
+    def master_port(self) -> int:
+        return self._rendezvous.master_port
 
     def _relay_kwargs(self) -> dict[str, Any]:
         """The constructor's arguments for a relay of this trainer started elsewhere (a Ray
         actor): the same options, this trainer's store given as an explicit address."""
-        if self._user_store is not None:
+        if self._rendezvous.user_store is not None:
             raise ValueError("relays started for this trainer must reach its rendezvous store: do not pass store=")
         return dict(
-            self._options,
-            token=self._token,
+            self._options.kwargs(),
+            token=self._rendezvous.token,
             master_addr=self.master_addr,
-            master_port=self._store_port(),
+            master_port=self._rendezvous.store_port(),
             heartbeat=self.heartbeat,
             silence_timeout=self.silence_timeout,
             backend=self.backend,
         )
-
-    def _resolve_token(self, store: Any, trainer: bool) -> bytes:
-        if self._token is not None:
-            return self._token
-        if trainer:
-            store.set("token", secrets.token_hex(32))
-        return bytes(store.get("token"))
 
     # ------------------------------------------------------------------ pickling
 
@@ -267,7 +237,7 @@ class DistributedWeightSyncScheme:
         """Configure the trainer: the weights (*model*, *weights* or *context* + *model_id*)
         and the hosts: *hosts* ``{host: number of local workers}``, or *workers_per_host*
         for every rank of the launch but this one."""
-        if self._sender is not None or self._relay is not None:
+        if self._role is not None:
             raise RuntimeError("this scheme is already initialised")
         source, first = configured_source(model, weights, context, model_id, choices="model= or weights=")
         if hosts is None:
@@ -282,27 +252,57 @@ class DistributedWeightSyncScheme:
         for h, n in hosts.items():
             if not (isinstance(h, int) and h >= 0 and isinstance(n, int) and n >= 1):
                 raise ValueError(f"hosts maps host ids (ints >= 0) to worker counts (>= 1), got {h!r}: {n!r}")
-        source_layout, wire_layout = self._scheme_options.layouts(first)
-        store = self._open_store()
-        self._sender = DistSender(
-            hosts=hosts,
+        source_layout, wire_layout = Layout.pair(first, self.transfer_dtype)
+        self._source_layout = source_layout  # what a relay's model must be (before transfer_dtype)
+        self.model_id = model_id
+        store = self._rendezvous.open_store()
+        host_records = RemoteTransport.hosts_of(hosts)
+        delivery: Delivery[WorkerId, Any] = Delivery(
+            RemoteTransport.records(host_records),
+            ids=PAIR,
+            options=self._options,
             source_layout=source_layout,
             wire_layout=wire_layout,
-            source=source,
+            sources={wid: source for h in host_records.values() for wid in ((h.idx, i) for i in h.workers)},
+        )
+        self._transport = RemoteTransport(
+            delivery,
+            host_records,
             store=store,
-            token=self._resolve_token(store, trainer=True),
+            token=self._rendezvous.trainer_token(store),
             bind=self.bind,
-            port=0,
-            sync=self.sync,
-            timeout=self.timeout,
-            on_worker_error=self.on_worker_error,
-            check_finite=self.check_finite,
             chunk_bytes=self.chunk_bytes,
             heartbeat=self.heartbeat,
             silence_timeout=self.silence_timeout,
             backend=self.backend,
             device=self._wire(first),
         )
+        self._sender = self._role = Sender(delivery, self._transport)
+
+    async def listen(self) -> tuple[str, int]:
+        """Trainer: listen for relays and publish the control address in the store, without
+        waiting for them; returns the address. :meth:`connect` does it if it was not done.
+        Sends may go out before every host is there: each gets its workers' newest version
+        when it joins."""
+        return await self._remote().start()
+
+    @property
+    def hosts(self) -> list[int]:
+        """Trainer: the host ids."""
+        return self._remote().hosts
+
+    async def wait_host_joined(self, host: int, timeout: Timeout = DEFAULT) -> None:
+        """Trainer: wait until *host* is connected and each of its workers answered its newest version."""
+        await self._remote().wait_host_joined(host, resolve_timeout(timeout, self.timeout))
+
+    async def wait_lost(self, host: int, timeout: Timeout = DEFAULT) -> None:
+        """Trainer: wait until *host* is declared lost."""
+        await self._remote().wait_lost(host, resolve_timeout(timeout, self.timeout))
+
+    def _remote(self) -> RemoteTransport:
+        if self._transport is None:
+            raise RuntimeError("call init_on_sender() first")
+        return self._transport
 
     # ------------------------------------------------------------------ relay
 
@@ -320,7 +320,7 @@ class DistributedWeightSyncScheme:
         scheme (also :attr:`local`) to start them with. *model* (or *weights*) is the
         same architecture as the trainer's: its layout is checked against the trainer's
         when the relay connects; its values are never sent. *host* defaults to the rank."""
-        if self._sender is not None or self._relay is not None:
+        if self._role is not None:
             raise RuntimeError("this scheme is already initialised")
         if model is None and weights is None:
             model = resolve_model(context, model_id)
@@ -328,17 +328,18 @@ class DistributedWeightSyncScheme:
                 raise ValueError("the relay needs the model's architecture: pass model= or weights=")
         template = to_flat(model if model is not None else weights)
         frozen = _frozen_copy(template)  # the relay never reads it again
-        local = MultiProcessWeightSyncScheme(**self._options)
+        local = MultiProcessWeightSyncScheme(**self._options.kwargs())
         local.init_on_sender(weights=frozen, num_workers=num_workers)
         self._local = local
         # The store is opened by connect(), off the loop and bounded by its timeout (a store
         # client connecting to a host that does not answer would block here).
-        self._relay = Relay(
+        self._relay = self._role = Relay(
             host=self.rank if host is None else host,
             local=local.sender,
-            open_store=self._open_store,
-            store_name=self._store_name(),
-            token=self._token,
+            landing=local._local_transport(),
+            open_store=self._rendezvous.open_store,
+            store_name=self._rendezvous.store_name(),
+            token=self._rendezvous.token,
             timeout=self.timeout,
             heartbeat=self.heartbeat,
             silence_timeout=self.silence_timeout,
@@ -401,12 +402,14 @@ class DistributedWeightSyncScheme:
         if model is None:
             raise ValueError("init_on_receiver needs model= (or a context holding the model at context.<model_id>)")
         if device is not None:
-            _parse_device(device, "init_on_receiver")  # before the relay takes anything
-        _check_poll(poll, self._scheme_options.commit_mode)  # the local scheme's check, before the relay is built
+            parse_device(device, "init_on_receiver")  # before the relay takes anything
+        check_poll(poll, self.commit_mode)  # the local scheme's check, before the relay is built
         local = self.init_on_relay(model=model, num_workers=1, host=host)
         worker = loopback_worker(local, 0)
         worker.init_on_receiver(model_id, context, worker_idx=0, model=model, on_update=on_update, device=device, poll=poll)
         self._worker = worker
+        self._receiver = worker.receiver
+        self._role = _RankWorker(self.relay, local, worker)
 
     @property
     def worker(self) -> MultiProcessWeightSyncScheme:
@@ -416,29 +419,6 @@ class DistributedWeightSyncScheme:
         return self._worker
 
     @property
-    def receiver(self) -> Receiver:
-        """After :meth:`init_on_receiver`: this process's receiver (``scheme.worker.receiver``)."""
-        return self.worker.receiver
-
-    def commit(self) -> int | None:
-        """Worker, ``commit_mode="manual"``: commit the staged version now."""
-        return self.worker.commit()
-
-    def poll_nowait(self) -> int | None:
-        """Worker, ``init_on_receiver(..., poll=True)``: commit the newest version if new
-        (its version, or None); no system call when nothing is new."""
-        return self.worker.poll_nowait()
-
-    @property
-    def update_pending(self) -> bool:
-        """Worker: a staged version waits for :meth:`commit`."""
-        return self.worker.update_pending
-
-    async def wait_for_version(self, version: int, *, timeout: float | None | UseDefault = DEFAULT) -> int:
-        """Worker: wait until the model runs *version* or newer."""
-        return await self.worker.wait_for_version(version, timeout=timeout)
-
-    @property
     def local(self) -> MultiProcessWeightSyncScheme:
         """A relay's local scheme: pass it to ``spawn_workers(..., scheme=scheme.local)``."""
         if self._local is None:
@@ -446,136 +426,90 @@ class DistributedWeightSyncScheme:
         return self._local
 
     @property
-    def sender(self) -> DistSender:
-        if self._sender is None:
-            raise RuntimeError("call init_on_sender() first")
-        return self._sender
-
-    @property
     def relay(self) -> Relay:
         if self._relay is None:
             raise RuntimeError("call init_on_relay() first")
         return self._relay
 
-    # ------------------------------------------------------------------ both sides
+    # ------------------------------------------------------------------ every role
 
-    def _side(self) -> DistSender | Relay:
-        if self._sender is not None:
-            return self._sender
-        if self._relay is not None:
-            return self._relay
-        raise RuntimeError("call init_on_sender() or init_on_relay() first")
-
-    async def connect(self, timeout: float | None | UseDefault = DEFAULT) -> int:
-        """Trainer: send version 0 to every worker of every host and wait for every ack.
-        Relay: join the trainer; return once the first weights reached the local workers.
-        Worker (:meth:`init_on_receiver`): return once the first weights are applied."""
-        if self._worker is not None:
-            if self._relay_loop is None:
-                if self._relay_closed:
-                    raise ClosedError(f"host {self.relay.host}: the relay is closed")
-                self._relay_loop = LoopThread(f"asyncsync-relay-{self.relay.host}")
-            relay_loop = self._relay_loop
-            both = [
-                asyncio.ensure_future(relay_loop.call(self.relay.connect(timeout=timeout))),
-                asyncio.ensure_future(self._worker.connect(timeout=timeout)),
-            ]
-            try:
-                version, _ = await asyncio.gather(*both)
-            except BaseException:
-                for t in both:  # neither may outlive the other's failure
-                    t.cancel()
-                await asyncio.gather(*both, return_exceptions=True)
-                raise
-            return int(version)
-        return await self._side().connect(timeout=timeout)
-
-    async def aclose(self) -> None:
-        """Trainer: stop every relay (which stops its workers). Relay: leave. Idempotent.
+    async def _close(self, failure: str | None) -> None:
+        """Trainer: stop every relay (which stops its workers). Relay: leave. Worker: both.
         Releases the rendezvous store too (the trainer's, when it hosts it, stops serving)."""
-        if self._sender is not None:
-            await self._sender.aclose()
-        elif self._relay_loop is not None:
-            relay_loop, self._relay_loop = self._relay_loop, None
-            self._relay_closed = True
-            await relay_loop.call(self.relay.aclose())
-            relay_loop.close()
-        elif self._relay is not None:
-            self._relay_closed = True
-            await self._relay.aclose()
-        if self._worker is not None:
-            await self._worker.aclose()
-        self._store = None
-
-    async def __aenter__(self) -> DistributedWeightSyncScheme:
-        try:
-            await self.connect()
-        except BaseException:
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            if self._worker is not None and isinstance(exc, Exception):
-                # A rank that is its own worker, whose code failed in the block: the worker's
-                # goodbye names the error (the local scheme's rule), and its relay passes it
-                # on to the trainer before the relay itself leaves.
-                await self._worker.__aexit__(exc_type, exc, tb)
-                if self._relay_loop is not None and self._local is not None:
-                    with contextlib.suppress(Exception):
-                        await self._relay_loop.call(self._local.sender.wait_dead(0, timeout=5.0))
-        finally:
-            await self.aclose()
-
-    def statistics(self) -> DistributedStatistics | SenderStatistics | ReceiverStatistics:
-        """Trainer: :class:`DistributedStatistics`. Relay: its local sender's statistics.
-        Worker (:meth:`init_on_receiver`): its receiver's statistics."""
-        if self._worker is not None:
-            return self._worker.statistics()
-        return self._side().statistics()
-
-    @property
-    def version(self) -> int:
-        """Trainer: newest version sent. Relay: newest version landed on this host.
-        Worker (:meth:`init_on_receiver`): the version its model runs."""
-        if self._worker is not None:
-            return self._worker.version
-        return self._side().version
-
-    async def send(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
-    ) -> int:
-        """As :meth:`MultiProcessWeightSyncScheme.send`; *worker_ids* are ``(host, local)`` pairs."""
-        return await self.sender.send(weights, worker_ids, partial=partial, timeout=timeout)
-
-    async def send_async(
-        self, weights: Any = None, worker_ids: WorkerId | Iterable[WorkerId] | None = None, *, partial: bool = False, timeout: float | None | UseDefault = DEFAULT
-    ) -> int:
-        """As :meth:`MultiProcessWeightSyncScheme.send_async`: returns once the snapshot is taken."""
-        return await self.sender.send_async(weights, worker_ids, partial=partial, timeout=timeout)
-
-    async def wait_async(
-        self,
-        version: int | None = None,
-        worker_ids: WorkerId | Iterable[WorkerId] | None = None,
-        *,
-        quorum: int | None = None,
-        timeout: float | None | UseDefault = DEFAULT,
-    ) -> None:
-        """As :meth:`MultiProcessWeightSyncScheme.wait_async`."""
-        await self.sender.wait_async(version, worker_ids, quorum=quorum, timeout=timeout)
+        role = self._role
+        if isinstance(role, _RankWorker):
+            await role.aclose(failure)
+        elif role is not None:
+            await role.aclose()  # type: ignore[attr-defined]
+        self._rendezvous.close()
 
     async def wait_stopped(self) -> None:
         """Relay (or worker): until the trainer stops this host; :class:`SenderDiedError`
         if it died (the worker keeps its last complete weights)."""
-        if self._worker is not None:
-            await self._worker.wait_stopped()
-            error = self.relay.error
-            if error is not None:  # e.g. another relay replaced this rank's: its worker was stopped
-                raise error
-            return
-        await self.relay.wait_stopped()
+        role = self._role
+        if isinstance(role, (Relay, _RankWorker)):
+            await role.wait_stopped()
+        else:
+            raise RuntimeError("wait_stopped() is a relay's or a worker's: call init_on_relay() or init_on_receiver() first")
+
+
+class _RankWorker:
+    """A rank that is its own worker: the worker's receiver runs in this event loop, its
+    relay in a small event-loop thread of its own (a busy worker loop holds up no other host)."""
+
+    def __init__(self, relay: Relay, local: MultiProcessWeightSyncScheme, worker: MultiProcessWeightSyncScheme) -> None:
+        self.relay = relay
+        self.local = local
+        self.worker = worker
+        self._loop: LoopThread | None = None
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        return self.worker.version
+
+    def statistics(self) -> Any:
+        return self.worker.statistics()
+
+    async def connect(self, timeout: Timeout = DEFAULT) -> int:
+        if self._loop is None:
+            if self._closed:
+                raise ClosedError(f"host {self.relay.host}: the relay is closed")
+            self._loop = LoopThread(f"asyncsync-relay-{self.relay.host}")
+        both = [
+            asyncio.ensure_future(self._loop.call(self.relay.connect(timeout=timeout))),
+            asyncio.ensure_future(self.worker.connect(timeout=timeout)),
+        ]
+        try:
+            version, _ = await asyncio.gather(*both)
+        except BaseException:
+            for t in both:  # neither may outlive the other's failure
+                t.cancel()
+            await asyncio.gather(*both, return_exceptions=True)
+            raise
+        return int(version)
+
+    async def aclose(self, failure: str | None = None) -> None:
+        if failure is not None and self._loop is not None:
+            # The worker's code failed in the block: its goodbye names the error (the local
+            # scheme's rule), and its relay passes it on to the trainer before it leaves.
+            await self.worker._close(failure)
+            with contextlib.suppress(Exception):
+                await self._loop.call(self.local.sender.wait_dead(0, timeout=5.0))
+        self._closed = True
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            await loop.call(self.relay.aclose())
+            loop.close()
+        else:
+            await self.relay.aclose()
+        await self.worker.aclose()
+
+    async def wait_stopped(self) -> None:
+        await self.worker.wait_stopped()
+        error = self.relay.error
+        if error is not None:  # e.g. another relay replaced this rank's: its worker was stopped
+            raise error
 
 
 def _same(scheme: MultiProcessWeightSyncScheme) -> MultiProcessWeightSyncScheme:

@@ -47,9 +47,9 @@ import aiomultiprocess
 import anyio
 from aiomultiprocess.types import Unit
 
-from .._errors import BrokenChannelError, ClosedError, SyncTimeoutError, WorkerDiedError, WorkerProcessError, WouldBlock
-from .._io._queues import AsyncQueue
-from ._scheme import MultiProcessWeightSyncScheme
+from ._errors import BrokenChannelError, ClosedError, SyncTimeoutError, WorkerDiedError, WorkerProcessError, WouldBlock
+from ._io._queues import AsyncQueue
+from ._schemes._local import MultiProcessWeightSyncScheme
 
 __all__ = ["WorkerGroup", "spawn_workers"]
 

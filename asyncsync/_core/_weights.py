@@ -13,18 +13,17 @@ import operator
 import sys
 from collections.abc import Iterator, Mapping
 from itertools import chain
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from .._errors import WeightsError
 from ._layout import Layout, TensorSpec, _storage_key
+from ._options import Strategy
 
 __all__ = ["KnownSource", "Strategy", "named_tensors", "to_flat", "validate", "bind_targets", "as_user_weights", "resolve_model"]
 
-Strategy = Literal["tensordict", "state_dict"]
-STRATEGIES = ("tensordict", "state_dict")
 
 
 def _is_tensordict(weights: Any) -> bool:
