@@ -203,3 +203,9 @@ def test_the_queue_facade_sits_on_the_pipe_and_the_pipe_on_the_framing() -> None
         found = imported_modules((PACKAGE / "_io" / f"{name}.py").read_text(), module, False)
         io_imports[name] = {m for m in found if m.startswith("asyncsync._io.")}
     assert io_imports == {"_framing": set(), "_pipe": {"asyncsync._io._framing"}}
+
+
+def test_every_folder_of_modules_is_a_package() -> None:
+    """A folder without ``__init__.py`` imports as a namespace package but is left out of the wheel."""
+    folders = {p.parent for p in MODULES}
+    assert sorted(str(f) for f in folders if not (f / "__init__.py").is_file()) == []
