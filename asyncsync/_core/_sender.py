@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Hashable, Iterable
+from collections.abc import AsyncIterator, Hashable, Iterable
 from typing import Any, Generic, TypeVar
 
 import anyio
 
 from .._errors import SyncTimeoutError
 from ._deadline import Deadline
+from ._acks import MembershipEvent
 from ._delivery import Delivery
 from ._layout import Layout
 from ._options import DEFAULT, Timeout
@@ -70,6 +71,39 @@ class Sender(Generic[W, S]):
     def layout(self) -> Layout:
         """The weights' layout on the wire."""
         return self._delivery.layout
+
+    @property
+    def members(self) -> list[W]:
+        """The workers a send to all targets now: every worker, or with elastic membership
+        those that joined and are not gone (dead, left) nor retired."""
+        return self._delivery.members()
+
+    async def membership(self) -> AsyncIterator[MembershipEvent]:
+        """The membership changes from now on, as they happen: ``async for event in
+        sender.membership()`` yields a :class:`MembershipEvent` (``"joined"``, ``"left"``,
+        ``"dead"``, ``"retired"``) per change, until the sender closes.
+
+        Example::
+
+            async for event in scheme.sender.membership():
+                print(event.kind, event.worker_id)      # joined 3
+        """
+        d = self._delivery
+        log, seen = d.acks.events, d.acks.events.count
+        while True:
+            await d.changed.wait_until(lambda: log.count > seen or d.life.phase != "running", None)
+            for event in log.since(seen):
+                yield event
+            seen = log.count
+            if d.life.phase != "running":
+                return
+
+    def retire(self, worker_idx: W) -> None:
+        """Elastic membership: *worker_idx*, gone or never connected, stops being a member
+        (its statistics stay; it joins again by connecting again). A connected worker must
+        leave first (close its receiver, or stop its process)."""
+        self._delivery.record(worker_idx)
+        self._transport.retire(worker_idx)
 
     def applied_versions(self) -> dict[W, int]:
         """Each worker's newest applied version (-1: none). A worker that is gone keeps
