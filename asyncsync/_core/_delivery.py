@@ -66,7 +66,8 @@ class Delivery(Generic[W, R]):
     """Versions, lifecycle, send lock, sources and acks of one sender (see the module docstring).
 
     *records* has one :class:`WorkerRecord` per worker id; *sources* says what
-    ``send(weights=None)`` reads for each (one object for all, usually).
+    ``send(weights=None)`` reads for each (one object for all, usually); *source*, the one
+    for every worker, those that join later too (*elastic*).
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class Delivery(Generic[W, R]):
         wire_layout: Layout,
         sources: Mapping[W, Any],
         elastic: bool = False,
+        source: Any = None,
     ) -> None:
         self.ids = ids
         self.elastic = elastic
@@ -99,7 +101,7 @@ class Delivery(Generic[W, R]):
         self._sources = dict(sources)
         first = next(iter(self._sources.values()), None)
         # The usual case, one source for every worker: a send resolves and checks it once.
-        self._one_source = first if all(s is first for s in self._sources.values()) else None
+        self._one_source = source if source is not None else first if all(s is first for s in self._sources.values()) else None
 
     @property
     def records(self) -> dict[W, R]:

@@ -415,6 +415,7 @@ class SnapshotLedger:
         self._readers: dict[int, int] = {}  # id(snapshot) -> readers
         self._owners: dict[int, int] = {}  # id(snapshot) -> workers whose newest it is
         self._serial = 0
+        self.newest: Snapshot | None = None  # elastic: the members' newest, which joiners catch up to
 
     def reserve(self) -> Snapshot:
         """A free snapshot, held for the send that writes it (:meth:`release` or :meth:`written`)."""
@@ -458,6 +459,35 @@ class SnapshotLedger:
         pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
         self._check()
 
+    def hold_newest(self, buf: Snapshot) -> None:
+        """*buf* went to every member: a member that joins later catches up to it."""
+        if self.newest is not None:
+            self._owners[id(self.newest)] -= 1
+        self.newest = buf
+        self._owners[id(buf)] = self._owners.get(id(buf), 0) + 1
+        self._check()
+
+    def catch_up(self, wid: tuple[int, int]) -> Snapshot | None:
+        """*wid* joins (or comes back): the members' newest becomes its newest, if newer."""
+        newest, latest = self.newest, self.latest.get(wid)
+        if newest is None or (latest is not None and latest.version >= newest.version):
+            return None
+        self.assign(wid, newest)
+        return newest
+
+    def forget(self, wid: tuple[int, int]) -> None:
+        """*wid* is no longer a member: it stops holding its newest version."""
+        old = self.latest.pop(wid, None)
+        if old is not None:
+            self._owners[id(old)] -= 1
+        host, local = wid
+        pending = self.pending.get(host, {})
+        for key in list(pending):
+            pending[key][1].discard(local)
+            if not pending[key][1]:
+                del pending[key]
+        self._check()
+
     def requeue(self, host: int, workers: Iterable[tuple[int, int, str]]) -> None:
         """Transfer again to *host* each worker's newest version it has not applied
         (*workers*: ``(local index, applied version, state)``): after the group re-formed,
@@ -475,7 +505,7 @@ class SnapshotLedger:
         self.pending.pop(host, None)
 
     def clear(self) -> None:
-        self.bufs, self.latest, self.pending = [], {}, {}
+        self.bufs, self.latest, self.pending, self.newest = [], {}, {}, None
         self._readers.clear()
         self._owners.clear()
 
@@ -483,7 +513,7 @@ class SnapshotLedger:
         if not _debug:
             return
         owners: dict[int, int] = {}
-        for buf in self.latest.values():
+        for buf in (*self.latest.values(), *((self.newest,) if self.newest is not None else ())):
             owners[id(buf)] = owners.get(id(buf), 0) + 1
         if any(n for k, n in self._owners.items() if n != owners.get(k, 0)):
             raise InvariantError(f"snapshot owner counts {self._owners} do not match the workers' newest versions {owners}")

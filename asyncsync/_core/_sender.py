@@ -16,8 +16,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 
 from .._errors import SyncTimeoutError
-from ._deadline import Deadline
 from ._acks import MembershipEvent
+from ._deadline import Deadline
 from ._delivery import Delivery
 from ._layout import Layout
 from ._options import DEFAULT, Timeout
@@ -89,12 +89,14 @@ class Sender(Generic[W, S]):
                 print(event.kind, event.worker_id)      # joined 3
         """
         d = self._delivery
-        log, seen = d.acks.events, d.acks.events.count
+        log = d.acks.events
+        seen = [log.count]
         while True:
-            await d.changed.wait_until(lambda: log.count > seen or d.life.phase != "running", None)
-            for event in log.since(seen):
+            await d.changed.wait_until(lambda: log.count > seen[0] or d.life.phase != "running", None)
+            new = log.since(seen[0])
+            seen[0] = log.count
+            for event in new:
                 yield event
-            seen = log.count
             if d.life.phase != "running":
                 return
 

@@ -374,8 +374,11 @@ class LocalTransport:
             for i in members:
                 latest = self._ledger.latest.get(i)
                 by_base.setdefault(latest.slot if latest is not None else None, []).append(i)
-            if None in by_base:
-                raise WeightsError(f"a partial update needs full weights first; worker(s) {by_base[None]} have none")
+            newest = self._ledger.newest
+            if not members and newest is not None:  # no member yet (elastic): for those that join
+                by_base[newest.slot] = []
+            if None in by_base or not by_base:
+                raise WeightsError(f"a partial update needs full weights first; worker(s) {by_base.get(None, [])} have none")
             for base, ids in by_base.items():
                 out.append((flat, ids, base))
         return out

@@ -269,6 +269,7 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
             wire_layout=wire_layout,
             sources=sources,
             elastic=elastic,
+            source=None if params_map is not None else source,
         )
         self._transport = LocalTransport(delivery, pool=pool, manual=self.commit_mode == "manual", ctx=ctx)
         self._sender = self._role = Sender(delivery, self._transport)
