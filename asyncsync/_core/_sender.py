@@ -195,12 +195,18 @@ class Sender(Generic[W, S]):
     async def wait_joined(self, worker_idx: W, timeout: Timeout = DEFAULT) -> None:
         """Wait until *worker_idx* is connected and answered the newest version sent to it.
 
-        Raises :class:`WorkerError` if its new connection rejected that version.
+        Raises :class:`WorkerError` if its new connection rejected that version. With
+        elastic membership, *worker_idx* may be an id that has not joined yet.
         """
         d = self._delivery
+        deadline = d.deadline(timeout)
+        what = f"waiting for worker {worker_idx} to join"
+        if d.elastic and worker_idx not in d.records and d.ids.is_id(worker_idx):  # (one that may join)
+            if not await d.changed.wait_until(lambda: worker_idx in d.records, deadline.remaining()):
+                raise self._explained(SyncTimeoutError(what, {worker_idx: -1}, deadline.timeout))
         d.record(worker_idx)
         try:
-            await d.acks.wait_joined([worker_idx], d.limit(timeout), f"waiting for worker {worker_idx} to join")
+            await d.acks.wait_joined([worker_idx], deadline.remaining(), what)
         except SyncTimeoutError as exc:
             raise self._explained(exc) from None
 

@@ -23,6 +23,7 @@ without the loop reading acks in between.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import multiprocessing as mp
@@ -267,6 +268,10 @@ class LinkTable:
     @staticmethod
     def drop_sentinel(w: _Worker) -> None:
         if w.sentinel is not None:
+            # A watcher may still wait on it: unregister it first, or the loop's selector keeps
+            # the number, and the next descriptor that gets it cannot be waited on.
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().remove_reader(w.sentinel)
             os.close(w.sentinel)
             w.sentinel = None
 
