@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerLeftError, spawn_workers
+from asyncsync import MultiProcessWeightSyncScheme, SyncTimeoutError, WorkerLeftError, loopback_worker, spawn_workers
 from tests._targets import make_model
 from tests.test_attach_mp import fill_, programs
 
@@ -175,3 +175,72 @@ async def test_a_member_that_leaves_cleanly_stops_being_a_target_and_the_send_re
         with pytest.raises(WorkerLeftError):
             await fixed.send()  # the default keeps its fixed workers: a gone one is an error
     assert torch.equal(lb.models[1][0].weight, model[0].weight)
+
+
+@pytest.mark.parametrize(
+    "options, poll",
+    [
+        ({}, False),
+        ({"commit": "copy", "commit_mode": "manual"}, False),
+        ({"transfer_dtype": torch.bfloat16}, False),
+        ({}, True),
+    ],
+    ids=["swap", "manual-copy", "bf16", "polled"],
+)
+async def test_options_keep_their_meaning_with_a_worker_that_joins(options: dict[str, Any], poll: bool) -> None:
+    """A joiner catches up under every commit option, then takes partial updates and
+    counts in quorum waits like the first members."""
+    model = make_model()
+    scheme = MultiProcessWeightSyncScheme(timeout=30, **options)
+    scheme.init_on_sender(model=model, num_workers=1, elastic=True)
+    workers, models = [], []
+
+    def join(idx: int) -> MultiProcessWeightSyncScheme:
+        worker = loopback_worker(scheme, idx)
+        models.append(make_model())
+        worker.init_on_receiver(worker_idx=idx, model=models[-1], poll=poll)
+        workers.append(worker)
+        return worker
+
+    def settle() -> None:  # what a worker's loop does between two steps
+        for w in workers:
+            if poll:
+                w.poll_nowait()
+            elif w.update_pending:
+                w.commit()
+
+    async def sent(version: int) -> None:
+        while min(scheme.sender.applied_versions().values()) < version:
+            settle()
+            await asyncio.sleep(0)  # the loopback workers run in this loop
+
+    try:
+        connecting = asyncio.ensure_future(scheme.connect())
+        await join(0).connect()
+        while not connecting.done():  # a manual worker acks version 0 once it commits it
+            settle()
+            await asyncio.sleep(0)
+        await connecting
+        fill_(model, 1.0)
+        await scheme.send_async()
+        scheme.add_worker(1)
+        newcomer = join(1)
+        await newcomer.connect()
+        await sent(1)
+        assert torch.equal(models[1][0].weight, model[0].weight)  # caught up to version 1
+        with torch.no_grad():
+            model[0].bias.fill_(7.0)
+        version = await scheme.send_async({"0.bias": model[0].bias.detach()}, partial=True)
+        await sent(version)
+        assert float(models[1][0].bias.detach()[0]) == 7.0  # the partial update, on top of what it caught up to
+        assert float(models[1][2].weight.detach()[0, 0]) == 1.0
+        fill_(model, 3.0)
+        version = await scheme.send_async()
+        settle_task = asyncio.ensure_future(sent(version))
+        await scheme.wait_async(version, quorum=1)  # one of the two members, whichever is first
+        await settle_task
+        assert scheme.sender.applied_versions() == {0: version, 1: version}
+    finally:
+        await scheme.aclose()
+        for w in workers:
+            await w.aclose()
