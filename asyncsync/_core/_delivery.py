@@ -86,7 +86,9 @@ class Delivery(Generic[W, R]):
         self.elastic = elastic
         self.sync = options.sync
         self.timeout = options.timeout
-        self.skip_gone = options.on_worker_error == "skip"
+        # With elastic membership a member may go at any time: one gone during a send drops
+        # out of its wait, as with on_worker_error="skip" (the membership events say so).
+        self.skip_gone = options.on_worker_error == "skip" or elastic
         self.check_finite = options.check_finite
         self.source_layout = source_layout
         self.layout = wire_layout
