@@ -85,6 +85,7 @@ async def main() -> None:
             await scheme.send()  # reaches the members that are left, no error for those gone
             print(line(scheme, step), flush=True)
             await asyncio.sleep(0.05)  # (a training step's worth of time: they leave meanwhile)
+        print(line(scheme, step), flush=True)  # back to one member
         watcher.cancel()
     left = {i: g.results[i] for i, g in groups.items() if i}
     print(f"worker 0 ended at version {groups[0].results[0]}, the others left at {left}; {time.perf_counter() - t0:.1f} s in all")
