@@ -138,7 +138,21 @@ class _Watch:
 class MembershipEvent(NamedTuple):
     """A change of a sender's members: ``kind`` is ``"joined"`` (connected, or connected
     again), ``"left"``, ``"dead"`` (died, or its host was lost) or ``"retired"``;
-    ``worker_id`` names the worker; ``reason`` says why it is gone (None otherwise)."""
+    ``worker_id`` names the worker; ``reason`` says why it is gone (None otherwise).
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1, elastic=True)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        events = scheme.sender.membership()
+        await worker.aclose()                  # the worker leaves
+        event = await anext(events)
+        print(event.kind, event.worker_id)     # left 0
+        await scheme.aclose()
+    """
 
     kind: Literal["joined", "left", "dead", "retired"]
     worker_id: Any

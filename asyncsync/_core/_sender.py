@@ -78,27 +78,17 @@ class Sender(Generic[W, S]):
         those that joined and are not gone (dead, left) nor retired."""
         return self._delivery.members()
 
-    async def membership(self) -> AsyncIterator[MembershipEvent]:
-        """The membership changes from now on, as they happen: ``async for event in
+    def membership(self) -> AsyncIterator[MembershipEvent]:
+        """The membership changes from this call on, as they happen: ``async for event in
         sender.membership()`` yields a :class:`MembershipEvent` (``"joined"``, ``"left"``,
-        ``"dead"``, ``"retired"``) per change, until the sender closes.
+        ``"dead"``, ``"retired"``) per change, and ends when the sender closes.
 
         Example::
 
             async for event in scheme.sender.membership():
                 print(event.kind, event.worker_id)      # joined 3
         """
-        d = self._delivery
-        log = d.acks.events
-        seen = [log.count]
-        while True:
-            await d.changed.wait_until(lambda: log.count > seen[0] or d.life.phase != "running", None)
-            new = log.since(seen[0])
-            seen[0] = log.count
-            for event in new:
-                yield event
-            if d.life.phase != "running":
-                return
+        return _Membership(self._delivery)
 
     def retire(self, worker_idx: W) -> None:
         """Elastic membership: *worker_idx*, gone or never connected, stops being a member
@@ -208,7 +198,7 @@ class Sender(Generic[W, S]):
         try:
             await d.acks.wait_joined([worker_idx], deadline.remaining(), what)
         except SyncTimeoutError as exc:
-            raise self._explained(exc) from None
+            raise self._explained(SyncTimeoutError(what, exc.pending, deadline.timeout)) from None  # (the call's bound)
 
     async def wait_dead(self, worker_idx: W, timeout: Timeout = DEFAULT) -> None:
         """Wait until the sender has noticed that *worker_idx* is gone (dead, left or stopped)."""
@@ -249,3 +239,24 @@ class Sender(Generic[W, S]):
                 ResourceWarning,
                 stacklevel=1,
             )
+
+
+class _Membership:
+    """An iterator over a delivery's membership events, from its creation on."""
+
+    def __init__(self, delivery: Delivery[Any, Any]) -> None:
+        self._delivery = delivery
+        self._seen = delivery.acks.events.count
+        self._ready: list[MembershipEvent] = []
+
+    def __aiter__(self) -> _Membership:
+        return self
+
+    async def __anext__(self) -> MembershipEvent:
+        d, log = self._delivery, self._delivery.acks.events
+        while not self._ready:
+            if log.count == self._seen and d.closed_or_closing():
+                raise StopAsyncIteration
+            await d.changed.wait_until(lambda: log.count > self._seen or d.closed_or_closing(), None)
+            self._ready, self._seen = log.since(self._seen), log.count
+        return self._ready.pop(0)
