@@ -11,6 +11,7 @@ Example::
         await scheme.send()
 """
 
+from ._core._acks import MembershipEvent
 from ._core._flat import flatten_parameters
 from ._core._layout import Layout, TensorSpec
 from ._core._options import DEFAULT
@@ -56,6 +57,7 @@ __all__ = [
     "HostLostError",
     "HostStatistics",
     "Layout",
+    "MembershipEvent",
     "MultiProcessWeightSyncScheme",
     "ProtocolError",
     "Receiver",

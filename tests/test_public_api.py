@@ -9,7 +9,7 @@ from asyncsync import DistributedWeightSyncScheme, MultiProcessWeightSyncScheme,
 
 ASYNCSYNC = {
     "AsyncQueue", "AsyncSyncError", "AuthenticationError", "BrokenChannelError", "CapacityError", "ClosedError",
-    "DEFAULT", "DistributedStatistics", "DistributedWeightSyncScheme", "HostLostError", "HostStatistics", "Layout",
+    "DEFAULT", "DistributedStatistics", "DistributedWeightSyncScheme", "HostLostError", "HostStatistics", "Layout", "MembershipEvent",
     "MultiProcessWeightSyncScheme", "ProtocolError", "Receiver", "ReceiverStatistics", "Sender", "SenderDiedError",
     "SenderStatistics", "SyncTimeoutError", "TensorSpec", "WeightsError", "WorkerAddress", "WorkerDiedError",
     "WorkerError", "WorkerGoneError", "WorkerGroup", "WorkerLeftError", "WorkerProcessError", "WorkerStatistics",
@@ -17,8 +17,8 @@ ASYNCSYNC = {
 }  # fmt: skip
 TESTING = {"Faults", "LeakError", "LoopbackHosts", "LoopbackWorkers", "ProcessWorkers", "no_leaks", "open_loopback", "open_loopback_hosts", "open_workers"}
 SENDER = {
-    "aclose", "applied_versions", "connect", "layout", "send", "send_async", "sent_version", "statistics", "version",
-    "wait_async", "wait_dead", "wait_joined", "worker_ids",
+    "aclose", "applied_versions", "connect", "layout", "members", "membership", "retire", "send", "send_async",
+    "sent_version", "statistics", "version", "wait_async", "wait_dead", "wait_joined", "worker_ids",
 }  # fmt: skip
 RECEIVER = {
     "aclose", "commit", "connect", "context", "device", "model", "on_update", "poll_nowait", "statistics", "stopped",
@@ -30,7 +30,7 @@ BOTH_SCHEMES = {
     "strategy", "sync", "timeout", "transfer_dtype", "update_pending", "version", "wait_async", "wait_for_version",
     "wait_stopped",
 }  # fmt: skip
-LOCAL_SCHEME = BOTH_SCHEMES | {"attach", "listener", "max_slots", "num_slots", "transport", "watch_process"}
+LOCAL_SCHEME = BOTH_SCHEMES | {"add_worker", "attach", "listener", "max_slots", "num_slots", "transport", "watch_process"}
 DIST_SCHEME = BOTH_SCHEMES | {
     "hosts", "init_on_relay", "local", "master_addr", "master_port", "rank", "relay", "wait_host_joined", "wait_lost",
     "worker", "world_size",

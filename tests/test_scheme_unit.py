@@ -22,7 +22,7 @@ from tests._targets import fill_, make_model
 PUBLIC_API = [
     "DEFAULT",
     "AsyncQueue", "AsyncSyncError", "AuthenticationError", "BrokenChannelError", "CapacityError", "ClosedError",
-    "DistributedStatistics", "DistributedWeightSyncScheme", "HostLostError", "HostStatistics", "Layout",
+    "DistributedStatistics", "DistributedWeightSyncScheme", "HostLostError", "HostStatistics", "Layout", "MembershipEvent",
     "MultiProcessWeightSyncScheme", "ProtocolError", "Receiver", "ReceiverStatistics", "Sender", "SenderDiedError",
     "SenderStatistics", "SyncTimeoutError", "TensorSpec", "WeightsError", "WorkerAddress", "WorkerDiedError", "WorkerError",
     "WorkerGoneError", "WorkerGroup", "WorkerLeftError", "WorkerProcessError", "WorkerStatistics", "WouldBlock",

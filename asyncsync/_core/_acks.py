@@ -29,16 +29,17 @@ waits wake on the sender's :class:`~.._signal.Signal`, notified at every report.
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from .._errors import ClosedError, SyncTimeoutError, WorkerError, WorkerGoneError, format_seconds
 from .._stats import WorkerStatistics
 from ._options import DEFAULT, Phase, UseDefault, WorkerState, checked_timeout
 from ._signal import Signal
 
-__all__ = ["AckTracker", "WorkerRecord"]
+__all__ = ["AckTracker", "Lifecycle", "MembershipEvent", "MembershipLog", "WorkerRecord"]
 
 W = TypeVar("W", bound=Hashable)
 R = TypeVar("R", bound="WorkerRecord")
@@ -134,6 +135,49 @@ class _Watch:
         self.wake()
 
 
+class MembershipEvent(NamedTuple):
+    """A change of a sender's members: ``kind`` is ``"joined"`` (connected, or connected
+    again), ``"left"``, ``"dead"`` (died, or its host was lost) or ``"retired"``;
+    ``worker_id`` names the worker; ``reason`` says why it is gone (None otherwise).
+
+    Example::
+
+        scheme = MultiProcessWeightSyncScheme(timeout=10)
+        scheme.init_on_sender(model=make_policy(), num_workers=1, elastic=True)
+        worker = loopback_worker(scheme, 0)
+        worker.init_on_receiver(worker_idx=0, model=make_policy())
+        await asyncio.gather(scheme.connect(), worker.connect())
+        events = scheme.sender.membership()
+        await worker.aclose()                  # the worker leaves
+        event = await anext(events)
+        print(event.kind, event.worker_id)     # left 0
+        await scheme.aclose()
+    """
+
+    kind: Literal["joined", "left", "dead", "retired"]
+    worker_id: Any
+    reason: str | None
+
+
+class MembershipLog:
+    """The recent membership events, numbered, for readers that go at their own pace."""
+
+    SIZE = 4096  # events kept; a reader further behind skips the older ones
+
+    def __init__(self) -> None:
+        self._events: collections.deque[MembershipEvent] = collections.deque(maxlen=self.SIZE)
+        self.count = 0  # events ever added
+
+    def add(self, event: MembershipEvent) -> None:
+        self._events.append(event)
+        self.count += 1
+
+    def since(self, seen: int) -> list[MembershipEvent]:
+        """The events after the first *seen* (those still kept)."""
+        new = self.count - seen
+        return list(self._events)[-new:] if new > 0 else []
+
+
 class Lifecycle:
     """A sender's phase, shared by the parts that refuse work once it closes."""
 
@@ -156,6 +200,7 @@ class AckTracker(Generic[W, R]):
         self._changed = changed
         self._life = life
         self._watches: list[_Watch] = []  # the version waits in progress
+        self.events = MembershipLog()
 
     def notify(self) -> None:
         """Something a wait looks at changed (a report here, or the sender's phase): every
@@ -194,10 +239,11 @@ class AckTracker(Generic[W, R]):
         if rec.state == "connected" and (generation is None or generation == rec.generation) and pid in (None, rec.pid):
             self._changed.notify()  # nothing a version wait looks at changed (a transport's "still here")
             return
-        if rec.state in ("waiting", *GONE):
-            if rec.state in GONE:
+        if rec.state in ("waiting", "retired", *GONE):
+            if rec.state != "waiting":
                 rec._new_connection()
             rec.state = "connected"
+            self.events.add(MembershipEvent("joined", wid, None))
         if generation is not None:
             rec.generation = generation
         if pid is not None:
@@ -233,11 +279,28 @@ class AckTracker(Generic[W, R]):
         """*wid*'s connection ended: ``"dead"`` or ``"left"``, with the error that says so.
         Its last answers stay visible; they no longer count."""
         rec = self.records[wid]
-        rec.state = state
+        rec.state = state  # type: ignore[assignment]
         rec.death = death
         rec.death_generation = rec.generation
         if exitcode is not None:
             rec.exitcode = exitcode
+        self.events.add(MembershipEvent(state, wid, death.reason or str(death)))  # type: ignore[arg-type]
+        self.notify()
+
+    def add(self, wid: W, record: R) -> None:
+        """A worker id the sender did not have joins the records (elastic membership)."""
+        if wid in self.records:
+            raise ValueError(f"worker {wid!r} is already one of the sender's workers")
+        self.records[wid] = record
+        self.notify()
+
+    def retire(self, wid: W) -> None:
+        """*wid* stops being a member (it may join again later, on a new connection)."""
+        rec = self.records[wid]
+        if rec.state == "connected":
+            raise ValueError(f"worker {wid!r} is connected: it must leave (close its receiver, or stop its process) before it is retired")
+        rec.state = "retired"
+        self.events.add(MembershipEvent("retired", wid, None))
         self.notify()
 
     def stopped(self, wid: W) -> None:

@@ -66,7 +66,8 @@ class Delivery(Generic[W, R]):
     """Versions, lifecycle, send lock, sources and acks of one sender (see the module docstring).
 
     *records* has one :class:`WorkerRecord` per worker id; *sources* says what
-    ``send(weights=None)`` reads for each (one object for all, usually).
+    ``send(weights=None)`` reads for each (one object for all, usually); *source*, the one
+    for every worker, those that join later too (*elastic*).
     """
 
     def __init__(
@@ -78,11 +79,16 @@ class Delivery(Generic[W, R]):
         source_layout: Layout,
         wire_layout: Layout,
         sources: Mapping[W, Any],
+        elastic: bool = False,
+        source: Any = None,
     ) -> None:
         self.ids = ids
+        self.elastic = elastic
         self.sync = options.sync
         self.timeout = options.timeout
-        self.skip_gone = options.on_worker_error == "skip"
+        # With elastic membership a member may go at any time: one gone during a send drops
+        # out of its wait, as with on_worker_error="skip" (the membership events say so).
+        self.skip_gone = options.on_worker_error == "skip" or elastic
         self.check_finite = options.check_finite
         self.source_layout = source_layout
         self.layout = wire_layout
@@ -97,7 +103,7 @@ class Delivery(Generic[W, R]):
         self._sources = dict(sources)
         first = next(iter(self._sources.values()), None)
         # The usual case, one source for every worker: a send resolves and checks it once.
-        self._one_source = first if all(s is first for s in self._sources.values()) else None
+        self._one_source = source if source is not None else first if all(s is first for s in self._sources.values()) else None
 
     @property
     def records(self) -> dict[W, R]:
@@ -120,6 +126,9 @@ class Delivery(Generic[W, R]):
         if self.life.phase != "running":
             raise ClosedError("the sender is closed")
 
+    def closed_or_closing(self) -> bool:
+        return self.life.phase in ("closing", "closed")
+
     def closing(self) -> bool:
         """Enter ``closing`` (every waiter wakes); False if it was not running."""
         was_running = self.life.phase == "running"
@@ -134,11 +143,18 @@ class Delivery(Generic[W, R]):
 
     # ----------------------------------------------------------------- sends
 
+    def members(self) -> list[W]:
+        """The workers a send to all targets: every worker; with elastic membership, those
+        not gone (dead, left) nor retired."""
+        if not self.elastic:
+            return list(self.acks.records)
+        return [wid for wid, rec in self.acks.records.items() if rec.state not in ("dead", "left", "retired")]
+
     def targets(self, worker_ids: Any) -> list[W]:
-        """``None`` (every worker), one id or an iterable of ids, each known; distinct, in
+        """``None`` (the members), one id or an iterable of ids, each known; distinct, in
         order. :class:`Targets` (parsed before) are returned as they are."""
         if worker_ids is None:
-            return Targets(self.acks.records)
+            return Targets(self.members())
         if worker_ids.__class__ is Targets:
             return worker_ids  # type: ignore[no-any-return]
         is_id = self.ids.is_id
@@ -148,7 +164,8 @@ class Delivery(Generic[W, R]):
         for wid in ids:
             if not is_id(wid):
                 raise TypeError(f"worker id {wid!r} is not {self.ids.kind}")
-            self.record(wid)
+            if self.record(wid).state == "retired":
+                raise ValueError(f"worker {wid!r} was retired: it is a target again once it joins again")
         if not ids:
             raise ValueError("worker_ids is empty")
         return Targets(dict.fromkeys(ids))

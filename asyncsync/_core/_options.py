@@ -43,7 +43,7 @@ OnWorkerError = Literal["raise", "skip"]
 TransportKind = Literal["shm", "queue"]
 Phase = Literal["new", "running", "closing", "closed"]
 """A sender's lifecycle: ``connect()`` makes it running, ``aclose()`` closing then closed."""
-WorkerState = Literal["waiting", "connected", "dead", "left", "stopped"]
+WorkerState = Literal["waiting", "connected", "dead", "left", "stopped", "retired"]
 """A worker as its sender sees it (``WorkerStatistics.state``)."""
 
 STRATEGIES: tuple[Strategy, ...] = ("tensordict", "state_dict")

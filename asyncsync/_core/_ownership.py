@@ -137,6 +137,9 @@ class SlotLedger:
     links: dict[int, Link] = field(default_factory=dict)  # worker id -> current connection
     slots: dict[int, _SlotState] = field(default_factory=dict)
     retired: list[Link] = field(default_factory=list)  # cut connections that may still view their slots
+    # Elastic membership: the newest version sent to every member, which a joining member
+    # catches up to (held like a worker's latest).
+    newest: Ref | None = None
 
     # -- the slot pool's view ---------------------------------------------------------
 
@@ -151,6 +154,8 @@ class SlotLedger:
     def owned(self) -> set[int]:
         """Slots some worker holds in some role."""
         out = {r.slot for r in self.latest.values()}
+        if self.newest is not None:
+            out.add(self.newest.slot)
         for link in (*self.links.values(), *self.retired):  # (every send's slot search: no generator per link)
             for r in (link.in_flight, link.staged, link.live, link.maybe):
                 if r is not None:
@@ -169,6 +174,8 @@ class SlotLedger:
     def owners(self, slot_id: int) -> list[str]:
         """Who holds *slot_id*, as ``"worker 1 live"`` strings (for errors and debugging)."""
         out = [f"worker {w} latest" for w, r in self.latest.items() if r.slot == slot_id]
+        if self.newest is not None and self.newest.slot == slot_id:
+            out.append("members' newest")
         for w, link in self.links.items():
             for role in _ROLES:
                 r = getattr(link, role)
@@ -201,6 +208,31 @@ class SlotLedger:
         latest = self.latest
         for w in workers:
             latest[w] = ref
+        if _debug:
+            self.check()
+
+    def hold_newest(self, version: int, slot_id: int) -> None:
+        """*version* in *slot_id* went to every member: a member that joins later catches up to it."""
+        self.newest = Ref(version, slot_id)
+        if _debug:
+            self.check()
+
+    def catch_up(self, worker: int) -> Ref | None:
+        """*worker* joins (or comes back): the members' newest version becomes its latest,
+        if newer than what it was sent; that version, or None."""
+        newest = self.newest
+        latest = self.latest.get(worker)
+        if newest is None or (latest is not None and latest.version >= newest.version):
+            return None
+        self.latest[worker] = newest
+        if _debug:
+            self.check()
+        return newest
+
+    def forget(self, worker: int) -> None:
+        """*worker* is no longer a member (elastic membership): it stops holding its latest
+        version (it catches up to the members' newest if it comes back)."""
+        self.latest.pop(worker, None)
         if _debug:
             self.check()
 
@@ -323,7 +355,7 @@ class SlotLedger:
             bound = slot_bound(
                 len(self.latest) or len(self.links),
                 self.manual,
-                len({r.slot for r in self.latest.values()}),
+                len({r.slot for r in self.latest.values()} | ({self.newest.slot} if self.newest is not None else set())),
                 sum(st.writing for st in self.slots.values()) + adding,
                 sum(link.polled for link in self.links.values()),
             ) + sum(r.slot is not None for link in self.retired for r in link.refs())
@@ -331,6 +363,8 @@ class SlotLedger:
                 raise InvariantError(f"{pool_size} slots allocated, above the bound {bound}")
 
     def _all_refs(self) -> Iterator[tuple[str, Ref]]:
+        if self.newest is not None:
+            yield "the members' newest", self.newest
         for w, r in self.latest.items():
             yield f"worker {w} (latest)", r
         for w, link in self.links.items():
@@ -381,6 +415,7 @@ class SnapshotLedger:
         self._readers: dict[int, int] = {}  # id(snapshot) -> readers
         self._owners: dict[int, int] = {}  # id(snapshot) -> workers whose newest it is
         self._serial = 0
+        self.newest: Snapshot | None = None  # elastic: the members' newest, which joiners catch up to
 
     def reserve(self) -> Snapshot:
         """A free snapshot, held for the send that writes it (:meth:`release` or :meth:`written`)."""
@@ -424,6 +459,35 @@ class SnapshotLedger:
         pending.setdefault((buf.version, buf.serial), (buf, set()))[1].add(local)
         self._check()
 
+    def hold_newest(self, buf: Snapshot) -> None:
+        """*buf* went to every member: a member that joins later catches up to it."""
+        if self.newest is not None:
+            self._owners[id(self.newest)] -= 1
+        self.newest = buf
+        self._owners[id(buf)] = self._owners.get(id(buf), 0) + 1
+        self._check()
+
+    def catch_up(self, wid: tuple[int, int]) -> Snapshot | None:
+        """*wid* joins (or comes back): the members' newest becomes its newest, if newer."""
+        newest, latest = self.newest, self.latest.get(wid)
+        if newest is None or (latest is not None and latest.version >= newest.version):
+            return None
+        self.assign(wid, newest)
+        return newest
+
+    def forget(self, wid: tuple[int, int]) -> None:
+        """*wid* is no longer a member: it stops holding its newest version."""
+        old = self.latest.pop(wid, None)
+        if old is not None:
+            self._owners[id(old)] -= 1
+        host, local = wid
+        pending = self.pending.get(host, {})
+        for key in list(pending):
+            pending[key][1].discard(local)
+            if not pending[key][1]:
+                del pending[key]
+        self._check()
+
     def requeue(self, host: int, workers: Iterable[tuple[int, int, str]]) -> None:
         """Transfer again to *host* each worker's newest version it has not applied
         (*workers*: ``(local index, applied version, state)``): after the group re-formed,
@@ -441,7 +505,7 @@ class SnapshotLedger:
         self.pending.pop(host, None)
 
     def clear(self) -> None:
-        self.bufs, self.latest, self.pending = [], {}, {}
+        self.bufs, self.latest, self.pending, self.newest = [], {}, {}, None
         self._readers.clear()
         self._owners.clear()
 
@@ -449,7 +513,7 @@ class SnapshotLedger:
         if not _debug:
             return
         owners: dict[int, int] = {}
-        for buf in self.latest.values():
+        for buf in (*self.latest.values(), *((self.newest,) if self.newest is not None else ())):
             owners[id(buf)] = owners.get(id(buf), 0) + 1
         if any(n for k, n in self._owners.items() if n != owners.get(k, 0)):
             raise InvariantError(f"snapshot owner counts {self._owners} do not match the workers' newest versions {owners}")

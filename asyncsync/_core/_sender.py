@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Hashable, Iterable
+from collections.abc import AsyncIterator, Hashable, Iterable
 from typing import Any, Generic, TypeVar
 
 import anyio
 
 from .._errors import SyncTimeoutError
+from ._acks import MembershipEvent
 from ._deadline import Deadline
 from ._delivery import Delivery
 from ._layout import Layout
@@ -70,6 +71,31 @@ class Sender(Generic[W, S]):
     def layout(self) -> Layout:
         """The weights' layout on the wire."""
         return self._delivery.layout
+
+    @property
+    def members(self) -> list[W]:
+        """The workers a send to all targets now: every worker, or with elastic membership
+        those that joined and are not gone (dead, left) nor retired."""
+        return self._delivery.members()
+
+    def membership(self) -> AsyncIterator[MembershipEvent]:
+        """The membership changes from this call on, as they happen: ``async for event in
+        sender.membership()`` yields a :class:`MembershipEvent` (``"joined"``, ``"left"``,
+        ``"dead"``, ``"retired"``) per change, and ends when the sender closes.
+
+        Example::
+
+            async for event in scheme.sender.membership():
+                print(event.kind, event.worker_id)      # joined 3
+        """
+        return _Membership(self._delivery)
+
+    def retire(self, worker_idx: W) -> None:
+        """Elastic membership: *worker_idx*, gone or never connected, stops being a member
+        (its statistics stay; it joins again by connecting again). A connected worker must
+        leave first (close its receiver, or stop its process)."""
+        self._delivery.record(worker_idx)
+        self._transport.retire(worker_idx)
 
     def applied_versions(self) -> dict[W, int]:
         """Each worker's newest applied version (-1: none). A worker that is gone keeps
@@ -159,14 +185,20 @@ class Sender(Generic[W, S]):
     async def wait_joined(self, worker_idx: W, timeout: Timeout = DEFAULT) -> None:
         """Wait until *worker_idx* is connected and answered the newest version sent to it.
 
-        Raises :class:`WorkerError` if its new connection rejected that version.
+        Raises :class:`WorkerError` if its new connection rejected that version. With
+        elastic membership, *worker_idx* may be an id that has not joined yet.
         """
         d = self._delivery
+        deadline = d.deadline(timeout)
+        what = f"waiting for worker {worker_idx} to join"
+        if d.elastic and worker_idx not in d.records and d.ids.is_id(worker_idx):  # (one that may join)
+            if not await d.changed.wait_until(lambda: worker_idx in d.records, deadline.remaining()):
+                raise self._explained(SyncTimeoutError(what, {worker_idx: -1}, deadline.timeout))
         d.record(worker_idx)
         try:
-            await d.acks.wait_joined([worker_idx], d.limit(timeout), f"waiting for worker {worker_idx} to join")
+            await d.acks.wait_joined([worker_idx], deadline.remaining(), what)
         except SyncTimeoutError as exc:
-            raise self._explained(exc) from None
+            raise self._explained(SyncTimeoutError(what, exc.pending, deadline.timeout)) from None  # (the call's bound)
 
     async def wait_dead(self, worker_idx: W, timeout: Timeout = DEFAULT) -> None:
         """Wait until the sender has noticed that *worker_idx* is gone (dead, left or stopped)."""
@@ -207,3 +239,24 @@ class Sender(Generic[W, S]):
                 ResourceWarning,
                 stacklevel=1,
             )
+
+
+class _Membership:
+    """An iterator over a delivery's membership events, from its creation on."""
+
+    def __init__(self, delivery: Delivery[Any, Any]) -> None:
+        self._delivery = delivery
+        self._seen = delivery.acks.events.count
+        self._ready: list[MembershipEvent] = []
+
+    def __aiter__(self) -> _Membership:
+        return self
+
+    async def __anext__(self) -> MembershipEvent:
+        d, log = self._delivery, self._delivery.acks.events
+        while not self._ready:
+            if log.count == self._seen and d.closed_or_closing():
+                raise StopAsyncIteration
+            await d.changed.wait_until(lambda: log.count > self._seen or d.closed_or_closing(), None)
+            self._ready, self._seen = log.since(self._seen), log.count
+        return self._ready.pop(0)

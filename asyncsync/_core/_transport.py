@@ -50,6 +50,9 @@ class Transport(Protocol[W, S_co]):
     def silence(self, wids: Sequence[W]) -> Silence:
         """Why *wids* may be silent (for a timeout's message)."""
 
+    def retire(self, wid: W) -> None:
+        """Elastic membership: *wid* (gone, or never connected) stops being a member."""
+
     def statistics(self) -> S_co:
         """The sender's statistics, with the transport's fields."""
 

@@ -78,6 +78,7 @@ class HostTable:
         self.acks = delivery.acks
         self.changed = delivery.changed
         self.life = delivery.life
+        self.elastic = delivery.elastic
         self.snapshots = snapshots
         self._layout = layout
         self._token = token
@@ -154,8 +155,14 @@ class HostTable:
         if self.life.phase != "running":
             await stream.aclose()
             return
-        h = self.hosts[host.host]
         refusal = await self._refusal(stream)
+        if refusal is None and host.host not in self.hosts:
+            self.add_host(host.host, host.num_workers)  # elastic membership: a new host joins
+        h = self.hosts.get(host.host)
+        if h is None:  # (refused, and new: nothing to record)
+            await stream.aclose()
+            logger.warning("asyncsync: closed control connection from %s (host %d): %s", peer, host.host, refusal)
+            return
         if refusal is not None:
             await stream.aclose()
             if h.stream is None and self.life.phase == "running":
@@ -186,6 +193,9 @@ class HostTable:
         self.snapshots.drop_pending(h.idx)
         for w in h.workers.values():
             self.acks.expect(w.wid, h.connections)  # nothing it answered before counts
+            caught_up = self.snapshots.catch_up(w.wid)  # a member that joins gets the members' newest
+            if caught_up is not None:
+                self.acks.sent(w.wid, caught_up.version)
         self.requeue(h)  # each worker's newest version goes first
         loop = asyncio.get_running_loop()
         for t in h.tasks:  # the last connection's (its heartbeat may still sleep): aclose gathers them
@@ -209,8 +219,11 @@ class HostTable:
         # it is told why, after Welcome, so that it can trust the reason: Bye instead of Setup.
         stream.send(Welcome(welcome_mac(self._token, msg.nonce)))
         reason = None
-        if msg.host not in self.hosts:
+        if msg.host not in self.hosts and not self.elastic:
             reason = f"host {msg.host} is not one of the trainer's hosts {sorted(self.hosts)}"
+        elif msg.host not in self.hosts:
+            if not (msg.host > 0 and msg.num_workers >= 1):
+                reason = f"a new host needs an id >= 1 and at least one worker, got host {msg.host} with {msg.num_workers}"
         elif msg.num_workers != self.hosts[msg.host].num_workers:
             reason = f"host {msg.host} has {msg.num_workers} worker{'' if msg.num_workers == 1 else 's'} (num_workers), the trainer expects {self.hosts[msg.host].num_workers}"
         if reason is not None:
@@ -288,6 +301,16 @@ class HostTable:
             self.acks.lost(wid, "left", WorkerLeftError(wid, f"{msg.reason} (on host {h.idx})", w.applied))  # type: ignore[arg-type]
         else:
             self.acks.lost(wid, "dead", WorkerDiedError(wid, msg.exitcode, None, f"on host {h.idx}: {msg.reason}"), msg.exitcode)  # type: ignore[arg-type]
+        if self.elastic:
+            self.snapshots.forget(wid)
+
+    def add_host(self, idx: int, num_workers: int) -> Host:
+        """Elastic membership: host *idx* joins with *num_workers* workers."""
+        h = Host(idx, num_workers)
+        self.hosts[idx] = h
+        for w in h.workers.values():
+            self.acks.add(w.wid, w)
+        return h
 
     def lose(self, h: Host, reason: str, state: str = "dead") -> None:
         """Host *h* is gone: name it, with each of its workers, and re-form the group."""
@@ -302,6 +325,8 @@ class HostTable:
             for w in h.workers.values():
                 if self.acks.records[w.wid].state not in GONE:  # one that left or died before keeps its own reason
                     self.acks.lost(w.wid, "dead", HostLostError(h.idx, w.wid, reason, h.pid))
+                if self.elastic:
+                    self.snapshots.forget(w.wid)
         h.stream = None
         self.regroup = True  # without it (also while a generation is forming)
         self.changed.notify()

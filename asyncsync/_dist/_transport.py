@@ -123,10 +123,21 @@ class RemoteTransport:
             if not full and base is None:
                 raise WeightsError(f"a partial update needs full weights first; worker {wid} has none")
             by_base.setdefault(id(base), (base, []))[1].append(wid)
+        if not by_base:  # no member yet (elastic): a snapshot for those that join
+            base = None if full else self._snapshots.newest
+            if not full and base is None:
+                raise WeightsError("a partial update needs full weights first: none was sent yet")
+            by_base[id(base)] = (base, [])
         written = await self._xfer.snapshot(flat, version, list(by_base.values()))
         d.published(version, ())
+        if d.elastic and set(d.members()) <= set(targets):
+            self._snapshots.hold_newest(written[0][0])  # (every snapshot of a version holds all of it)
         self._xfer.assign(written)  # (each worker's newest version, reported as it is assigned)
         d.changed.notify()
+
+    def retire(self, wid: WorkerId) -> None:
+        self._delivery.acks.retire(wid)
+        self._snapshots.forget(wid)
 
     def silence(self, wids: Sequence[WorkerId]) -> Silence:
         return Silence()

@@ -23,6 +23,7 @@ without the loop reading acks in between.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import multiprocessing as mp
@@ -210,6 +211,7 @@ class LinkTable:
     ) -> None:
         self._workers = workers
         self._life = delivery.life
+        self._elastic = delivery.elastic
         self._acks = delivery.acks
         self._changed = delivery.changed
         self._pool = pool
@@ -230,6 +232,8 @@ class LinkTable:
     def attach_refusal(self, idx: int) -> str | None:
         """Why a process attaching by address cannot be worker *idx* now (None: it can)."""
         if idx not in self._workers:
+            if self._elastic:
+                return None  # a new member
             return f"worker {idx} is not one of the trainer's workers {sorted(self._workers)}"
         if self._life.phase in ("closing", "closed"):
             return "the trainer is closing"
@@ -264,6 +268,10 @@ class LinkTable:
     @staticmethod
     def drop_sentinel(w: _Worker) -> None:
         if w.sentinel is not None:
+            # A watcher may still wait on it: unregister it first, or the loop's selector keeps
+            # the number, and the next descriptor that gets it cannot be waited on.
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().remove_reader(w.sentinel)
             os.close(w.sentinel)
             w.sentinel = None
 
@@ -431,8 +439,16 @@ class LinkTable:
             link.queue.put_bytes_nowait(self._setup_frames[w.idx])
         except (BrokenChannelError, ClosedError):
             return
+        self.catch_up(w)
         self.pump(w)
         self._changed.notify()
+
+    def catch_up(self, w: _Worker) -> None:
+        """A member that joins (or comes back) gets the members' newest version first."""
+        ref = self._ledger.catch_up(w.idx)
+        if ref is not None:
+            w.sends += 1
+            self._acks.sent(w.idx, ref.version)
 
     def _on_ack(self, w: _Worker, link: _Link, ack: Ack) -> None:
         link.answered = True
@@ -499,6 +515,8 @@ class LinkTable:
         else:
             # The worker holds no slot any more: it died, or detached its weights before leaving.
             self._ledger.disconnect(w.idx)
+        if self._elastic:
+            self._ledger.forget(w.idx)  # no longer a member: it catches up if it comes back
         current = asyncio.current_task()
         for t in link.tasks:
             if t is not current:

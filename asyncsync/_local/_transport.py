@@ -30,7 +30,7 @@ from .._core._deadline import Deadline
 from .._core._delivery import Delivery
 from .._core._ownership import SlotLedger
 from .._core._transport import Group, Silence
-from .._errors import WeightsError
+from .._errors import ClosedError, WeightsError
 from .._io._slots import Slot, SlotPool
 from .._stats import SenderStatistics
 from .._wire._local import Setup, Stop, encode
@@ -60,13 +60,14 @@ class LocalTransport:
         layout = delivery.layout
         # Encoded once (a layout that cannot travel fails here, at init): one frame per device.
         by_device = {dev: encode(Setup(layout, dev, self._pid)) for dev in {w.device for w in self._workers.values()}}
+        self._setup_frames = {i: by_device[w.device] for i, w in self._workers.items()}
         self._links = LinkTable(
             self._workers,
             delivery=delivery,
             pool=pool,
             ledger=self._ledger,
             ctx=ctx,
-            setup_frames={i: by_device[w.device] for i, w in self._workers.items()},
+            setup_frames=self._setup_frames,
         )
         self._slots = Publisher(pool, self._ledger, layout, records=self._workers, copier=delivery.copier, changed=delivery.changed, life=delivery.life)
 
@@ -230,8 +231,41 @@ class LocalTransport:
         return self._links.attach_refusal(idx)
 
     def adopt_link(self, idx: int, conn: Connection) -> None:
-        """Make *conn* (an authenticated socket) worker *idx*'s next link, replacing the unused one."""
+        """Make *conn* (an authenticated socket) worker *idx*'s next link, replacing the unused
+        one; with elastic membership, a new worker id joins this way."""
+        if idx not in self._workers:
+            self.add_worker(idx)
         self._links.adopt_link(idx, conn)
+
+    # ----------------------------------------------------------------- membership
+
+    def add_worker(self, idx: int, device: str | None = None) -> None:
+        """Elastic membership: worker *idx* (a new id) joins; it gets the members' newest
+        version when it connects, then every send to all (see :meth:`Sender.connect`)."""
+        d = self._delivery
+        if not d.elastic:
+            raise ValueError(f"worker {idx} is not one of the trainer's workers {sorted(self._workers)}; pass elastic=True to init_on_sender to accept new ones")
+        if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+            raise ValueError(f"worker ids are non-negative ints, got {idx!r}")
+        if d.closed_or_closing():
+            raise ClosedError(f"worker {idx} cannot join: the sender is closed")
+        w = _Worker(idx, device)
+        if device not in {x.device for x in self._workers.values()}:
+            self._setup_frames[idx] = encode(Setup(d.layout, device, self._pid))
+        else:
+            self._setup_frames[idx] = next(self._setup_frames[i] for i, x in self._workers.items() if x.device == device)
+        d.acks.add(idx, w)
+        self._links.new_link(w)
+        if self._life.phase == "running":
+            assert w.link is not None
+            self._ledger.connect(idx)
+            self._links.start_tasks(w, w.link, asyncio.get_running_loop())
+
+    def retire(self, idx: int) -> None:
+        """Worker *idx*, gone or never connected, stops being a member."""
+        self._delivery.acks.retire(idx)
+        self._ledger.forget(idx)
+        self._links.release_unused()
 
     # ----------------------------------------------------------------- for a relay
 
@@ -316,6 +350,8 @@ class LocalTransport:
             d.published(version, members)
             for i in members:
                 workers[i].sends += 1
+        if d.elastic and set(d.members()) <= {i for _, members in written for i in members}:
+            self._ledger.hold_newest(version, written[0][0].id)  # (every slot of a version holds all of it)
         for _, members in written:
             for i in members:
                 pump(workers[i])
@@ -338,8 +374,11 @@ class LocalTransport:
             for i in members:
                 latest = self._ledger.latest.get(i)
                 by_base.setdefault(latest.slot if latest is not None else None, []).append(i)
-            if None in by_base:
-                raise WeightsError(f"a partial update needs full weights first; worker(s) {by_base[None]} have none")
+            newest = self._ledger.newest
+            if not members and newest is not None:  # no member yet (elastic): for those that join
+                by_base[newest.slot] = []
+            if None in by_base or not by_base:
+                raise WeightsError(f"a partial update needs full weights first; worker(s) {by_base.get(None, [])} have none")
             for base, ids in by_base.items():
                 out.append((flat, ids, base))
         return out

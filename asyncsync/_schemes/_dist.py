@@ -233,6 +233,7 @@ class DistributedWeightSyncScheme(SchemeBase[WorkerId]):
         model: nn.Module | None = None,
         hosts: Mapping[int, int] | None = None,
         workers_per_host: int | None = None,
+        elastic: bool = False,
     ) -> None:
         """Configure the trainer: the weights (*model*, *weights* or *context* + *model_id*)
         and the hosts: *hosts* ``{host: number of local workers}``, or *workers_per_host*
@@ -247,7 +248,7 @@ class DistributedWeightSyncScheme(SchemeBase[WorkerId]):
         elif workers_per_host is not None:
             raise ValueError("pass either hosts or workers_per_host, not both")
         hosts = dict(hosts)
-        if not hosts:
+        if not hosts and not elastic:
             raise ValueError("no hosts: the launch has a single rank (use MultiProcessWeightSyncScheme on one host)")
         for h, n in hosts.items():
             if not (isinstance(h, int) and h >= 0 and isinstance(n, int) and n >= 1):
@@ -264,6 +265,8 @@ class DistributedWeightSyncScheme(SchemeBase[WorkerId]):
             source_layout=source_layout,
             wire_layout=wire_layout,
             sources={wid: source for h in host_records.values() for wid in ((h.idx, i) for i in h.workers)},
+            elastic=elastic,
+            source=source,
         )
         self._transport = RemoteTransport(
             delivery,

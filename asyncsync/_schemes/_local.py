@@ -142,6 +142,7 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
         self._listener: Listener | None = None  # trainer: workers attaching by address
         self._attach: tuple[WorkerAddress, int] | None = None  # worker: where to attach, as whom
         self._placeholder: Connection | None = None  # worker attaching: its channel, until connect() dials
+        self._device_of: Callable[[int], str] | None = None  # elastic: a new worker's device, from device_map_fn
 
     @property
     def transport(self) -> TransportKind:
@@ -164,7 +165,7 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_sender", "_receiver", "_role", "_transport", "_listener")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_sender", "_receiver", "_role", "_transport", "_listener", "_device_of")}
         ends = self._transport.child_endpoints() if self._transport is not None else dict(self._endpoints)
         uninitialised = self._role is None and self._attach is None and not ends
         if uninitialised and mp.context.get_spawning_popen() is not None:
@@ -179,6 +180,7 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
         self._sender = self._receiver = self._role = None
         self._transport = None
         self._listener = None
+        self._device_of = None
 
     # ------------------------------------------------------------------ sender side
 
@@ -195,6 +197,7 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
         num_workers: int | None = None,
         worker_ids: Iterable[int] | None = None,
         ctx: mp.context.BaseContext | None = None,
+        elastic: bool = False,
     ) -> None:
         """Configure the trainer side.
 
@@ -207,9 +210,16 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
         worker: where that worker stages its weights) or *params_map*.
         *device_map_fn(worker_idx, weights)* gives a worker's weights on its device; it
         is called one worker at a time to learn the device, the result is not kept.
+
+        *elastic*: the workers named are the first members, and others may join at any
+        time (:meth:`add_worker`, or attaching by address with a new index; ``num_workers=0``
+        starts with none); a member that is gone stops being a target of sends to all.
+        See docs/elastic.md.
         """
         if self._role is not None:
             raise RuntimeError("this scheme is already initialised")
+        if elastic and params_map is not None:
+            raise ValueError("elastic=True needs one source for every worker (model=, weights= or context): params_map names each worker's own")
         if params_map is not None and (weights is not None or model is not None):
             raise ValueError("params_map gives each worker's weights; do not pass weights or model with it")
         if params_map is not None and (devices is not None or device_map_fn is not None):
@@ -225,7 +235,7 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
         if params_map is None:
             source, first = configured_source(model, weights, context, model_id, choices="model=, weights= or params_map=")
 
-        ids = parse_worker_ids(params_map, devices, device_map_fn, num_workers, worker_ids)
+        ids = [] if elastic and num_workers == 0 and worker_ids is None and devices is None else parse_worker_ids(params_map, devices, device_map_fn, num_workers, worker_ids)
         device_of: dict[int, str | None] = {i: None for i in ids}
         if devices is not None:
             seq = devices if isinstance(devices, Mapping) else dict(zip(ids, devices))
@@ -244,10 +254,9 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
             sources = {i: source for i in ids}
         if device_map_fn is not None:
             user_weights = as_user_weights(first, self.strategy)
+            self._device_of = lambda i: _mapped_device(device_map_fn, i, user_weights)
             for i in ids:  # one worker at a time: never N device copies alive at once
-                mapped = to_flat(device_map_fn(i, user_weights))
-                device_of[i] = str(next(iter(mapped.values())).device)
-                del mapped
+                device_of[i] = self._device_of(i)
 
         source_layout, wire_layout = Layout.pair(first, self.transfer_dtype)
         pool = SlotPool(wire_layout, num_slots=self.num_slots, max_slots=self.max_slots, reuse=self.transport == "shm")
@@ -259,6 +268,8 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
             source_layout=source_layout,
             wire_layout=wire_layout,
             sources=sources,
+            elastic=elastic,
+            source=None if params_map is not None else source,
         )
         self._transport = LocalTransport(delivery, pool=pool, manual=self.commit_mode == "manual", ctx=ctx)
         self._sender = self._role = Sender(delivery, self._transport)
@@ -295,6 +306,26 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
         self._listener = await Listener.open(transport, options, path, token)
         transport.start()
         return self._listener.address
+
+    def add_worker(self, worker_idx: int, device: torch.device | str | None = None) -> None:
+        """Trainer, elastic membership: worker *worker_idx* (a new id) may join now. Start its
+        process with this scheme (``spawn_workers``, a worker group's ``add``), as for the
+        first workers; it gets the members' newest version when it connects, and from then
+        on every send to all. *device*: where it stages its weights (default: from
+        ``device_map_fn``, else its model's own). A worker attaching by address with a new
+        index needs no call: it joins when it attaches.
+
+        Example::
+
+            scheme.init_on_sender(model=policy, num_workers=1, elastic=True)
+            async with scheme:
+                scheme.add_worker(1)                  # then start its process with `scheme`
+        """
+        if device is not None:
+            where = str(parse_device(device, f"worker {worker_idx}"))
+        else:
+            where = self._device_of(worker_idx) if self._device_of is not None else None
+        self._local_transport().add_worker(worker_idx, where)
 
     @property
     def listener(self) -> Listener | None:
@@ -440,6 +471,11 @@ class MultiProcessWeightSyncScheme(SchemeBase[int]):
     async def wait_stopped(self) -> None:
         """Worker: wait for ``stop``; raises :class:`SenderDiedError` if the trainer died."""
         await self.receiver.wait_stopped()
+
+
+def _mapped_device(device_map_fn: Callable[[int, Any], Any], worker_idx: int, weights: Any) -> str:
+    mapped = to_flat(device_map_fn(worker_idx, weights))
+    return str(next(iter(mapped.values())).device)
 
 
 _BEFORE_INIT = (
