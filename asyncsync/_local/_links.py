@@ -268,11 +268,7 @@ class LinkTable:
     @staticmethod
     def drop_sentinel(w: _Worker) -> None:
         if w.sentinel is not None:
-            # A watcher may still wait on it: unregister it first, or the loop's selector keeps
-            # the number, and the next descriptor that gets it cannot be waited on.
-            with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().remove_reader(w.sentinel)
-            os.close(w.sentinel)
+            _close_sentinel(w.sentinel)
             w.sentinel = None
 
     def release_unused(self) -> None:
@@ -473,6 +469,7 @@ class LinkTable:
         """The channel ended: the worker died or left, or (*broken*) sent a malformed message."""
         if link is not w.link or link.lost:
             return  # an older channel, or already handled
+        drop = False  # its process sentinel: closed once nothing waits on it
         link.lost = True
         link.queue.unlisten()
         if broken is None:
@@ -485,11 +482,11 @@ class LinkTable:
             death.__cause__ = broken
             self._acks.lost(w.idx, "dead", death)
             w.process = None  # its process may run on: it is no longer this worker
-            self.drop_sentinel(w)
+            drop = True
         elif link.bye is not None:
             self._acks.lost(w.idx, "left", WorkerLeftError(w.idx, link.bye.reason, link.bye.version, link.pid))
             w.process = None  # its process may run on: it is no longer this worker
-            self.drop_sentinel(w)
+            drop = True
         else:
             process = w.process
             exitcode = None
@@ -503,7 +500,7 @@ class LinkTable:
                 return
             self._acks.lost(w.idx, "dead", WorkerDiedError(w.idx, exitcode, link.pid), exitcode)
             w.process = None
-            self.drop_sentinel(w)
+            drop = True
         if self.observer is not None and w.death is not None and w.state in ("dead", "left"):
             try:
                 self.observer.worker_lost(w.idx, w.death)
@@ -518,9 +515,12 @@ class LinkTable:
         if self._elastic:
             self._ledger.forget(w.idx)  # no longer a member: it catches up if it comes back
         current = asyncio.current_task()
-        for t in link.tasks:
-            if t is not current:
-                t.cancel()
+        others = [t for t in link.tasks if t is not current]
+        for t in others:
+            t.cancel()
+        sentinel = w.sentinel if drop else None
+        if drop:
+            w.sentinel = None  # (not this process's any more: the next link does not watch it)
         link.queue.close()
         link.close_mailbox()
         if self._life.phase == "running":
@@ -530,6 +530,18 @@ class LinkTable:
             self.start_tasks(w, new, asyncio.get_running_loop())
         self.release_unused()
         self._changed.notify()
+        if sentinel is not None:
+            if others:  # a watcher of the sentinel lets go of it before its descriptor closes
+                await asyncio.gather(*others, return_exceptions=True)
+            _close_sentinel(sentinel)
+
+
+def _close_sentinel(fd: int) -> None:
+    # A watcher may still wait on it: unregister it first, or the loop keeps the number, and
+    # the next descriptor that gets it cannot be waited on.
+    with contextlib.suppress(RuntimeError):
+        asyncio.get_running_loop().remove_reader(fd)
+    os.close(fd)
 
 
 @functools.lru_cache(maxsize=16)
